@@ -1,0 +1,81 @@
+"""Benchmark helpers shared by `python -m jaxflash` and benchmarks/: FLOPs, timing, peers."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jaxflash
+
+
+def flops(B, N, T, S, H, is_causal, direction="fwd"):
+  """The FlashAttention convention: fwd = 4*B*N*T*S*H, halved when causal; bwd = 2.5 x fwd."""
+  f = 4.0 * B * N * T * S * H / (2.0 if is_causal else 1.0)
+  return f * (2.5 if direction == "bwd" else 1.0)
+
+
+def median_seconds(fn, *args, warmup=3, reps=10, inner=None):
+  """Median wall time of fn(*args) over `reps` batches of `inner` queued calls (warm)."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  if inner is None:  # enough queued calls per batch to hide dispatch and sync (~20 ms)
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    inner = max(1, min(50, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / inner)
+  return statistics.median(times)
+
+
+def peers(platform):
+  """name -> attention(q, k, v, is_causal) for every implementation that loads here."""
+  impls = {"jaxflash": lambda q, k, v, c: jaxflash.attention(q, k, v, is_causal=c)}
+  if platform == "gpu":
+    impls["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(
+        q, k, v, is_causal=c, implementation="cudnn")
+    try:
+      from flash_attn3_jax import flash_mha
+      impls["fa3j"] = lambda q, k, v, c: flash_mha(q, k, v, is_causal=c)
+    except ImportError:
+      pass
+  impls["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(
+      q, k, v, is_causal=c, implementation="xla")
+  return impls
+
+
+def time_attention(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backward=True):
+  """(fwd seconds, bwd seconds or None) of attn on fresh random inputs."""
+  keys = jax.random.split(jax.random.PRNGKey(T * 7 + H), 4)
+  q = jax.random.normal(keys[0], (B, T, N, H), dtype)
+  k = jax.random.normal(keys[1], (B, S, K, H), dtype)
+  v = jax.random.normal(keys[2], (B, S, K, H), dtype)
+  fwd = jax.jit(lambda q, k, v: attn(q, k, v, is_causal))
+  t_fwd = median_seconds(fwd, q, k, v)
+  if not backward:
+    return t_fwd, None
+  dout = jax.random.normal(keys[3], (B, T, N, H), dtype)
+  _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, is_causal), q, k, v)
+  bwd = jax.jit(lambda vjp, dout: vjp(dout))
+  return t_fwd, median_seconds(bwd, vjp, dout)
+
+
+def progress(items, label=""):
+  """A dependency-free progress bar on stderr."""
+  items = list(items)
+  width = 30
+  for i, item in enumerate(items):
+    done = int(width * i / max(len(items), 1))
+    sys.stderr.write(f"\r{label} [{'#' * done}{'.' * (width - done)}] {i}/{len(items)}")
+    sys.stderr.flush()
+    yield item
+  sys.stderr.write(f"\r{label} [{'#' * width}] {len(items)}/{len(items)}\n")
+  sys.stderr.flush()

@@ -1,0 +1,98 @@
+"""The shared test base: the same cases against every implementation (xla, cpu, cuda)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from common import (IMPLEMENTATIONS, assert_accurate, assert_matches_reference, gpu, on_device,
+                    random_qkv)
+
+# (B, T, S, N, K, H): tile multiples, ragged lengths, Sq != Sk both ways, length 1, GQA, MQA.
+SHAPES = [
+    (2, 128, 128, 4, 4, 64),
+    (1, 77, 45, 4, 2, 64),
+    (1, 45, 77, 6, 2, 128),
+    (1, 1, 33, 2, 1, 64),
+    (2, 33, 1, 2, 2, 128),
+    (1, 130, 200, 4, 1, 64),
+]
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+
+
+def _supported(impl, dtype, H):
+  if impl == "cuda" and (dtype == jnp.float32 or H not in jaxflash._ffi.cuda_head_dims()):
+    pytest.skip("outside the CUDA kernel's support matrix (tested in test_errors)")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_and_grads(impl, dtype, is_causal, shape):
+  B, T, S, N, K, H = shape
+  _supported(impl, dtype, H)
+  q, k, v = random_qkv(hash(shape) % 1000, B, T, S, N, K, H, dtype)
+  dout = jax.random.normal(jax.random.PRNGKey(7), (B, T, N, H), jnp.float32).astype(dtype)
+  dlse = jax.random.normal(jax.random.PRNGKey(8), (B, N, T), jnp.float32)
+
+  assert_matches_reference(impl, q, k, v, dout, dlse, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_scale(impl):
+  q, k, v = random_qkv(3, 1, 40, 50, 2, 2, 64, jnp.bfloat16)
+  with on_device(impl):
+    out = jaxflash.attention(q, k, v, scale=0.3, implementation=impl)
+    default = jaxflash.attention(q, k, v, implementation=impl)
+  ref, _ = jaxflash.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), scale=0.3)
+  lo, _ = jaxflash.attention_reference(q, k, v, scale=0.3)
+  assert_accurate("out", out, ref, lo, jnp.bfloat16)
+  assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - default.astype(jnp.float32)))) > 1e-2
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_unbatched(impl):
+  q, k, v = random_qkv(4, 1, 20, 30, 4, 2, 64, jnp.float16)
+  with on_device(impl):
+    out, lse = jaxflash.attention(q[0], k[0], v[0], is_causal=True, implementation=impl,
+                                  return_residual=True)
+  ref, _ = jaxflash.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                        is_causal=True)
+  lo, _ = jaxflash.attention_reference(q, k, v, is_causal=True)
+  assert out.shape == (20, 4, 64) and lse.shape == (4, 20)
+  assert_accurate("out", out, ref[0], lo[0], jnp.float16)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_matches_jax_nn(impl):
+  """Drop-in: same arguments, same result as jax.nn.dot_product_attention (GQA, causal)."""
+  q, k, v = random_qkv(5, 2, 64, 64, 8, 2, 64, jnp.float32)
+  with on_device(impl):
+    out = jaxflash.attention(q, k, v, is_causal=True, scale=0.2, implementation=impl)
+  ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.2)
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_nan_propagates(impl):
+  q, k, v = random_qkv(6, 1, 16, 16, 2, 2, 64, jnp.bfloat16)
+  q = q.at[0, 3, 1, 5].set(jnp.nan)
+  with on_device(impl):
+    out = jaxflash.attention(q, k, v, implementation=impl)
+  out = np.asarray(out, np.float32)
+  assert np.isnan(out[0, 3, 1]).all()
+  assert not np.isnan(np.delete(out[0], 3, axis=0)).any()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 1024, 1024, 16, 16, 128), (1, 2049, 1999, 8, 2, 64),
+                                   (4, 513, 4096, 4, 4, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_cuda_long_sequences(dtype, is_causal, shape):
+  """Many tiles in both directions, with ragged tails; the small SHAPES cover the edges."""
+  test_forward_and_grads("cuda", dtype, is_causal, shape)

@@ -1,0 +1,82 @@
+"""Bad input: clear Python errors before any launch, and ffi::Error (not a crash) in handlers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import _ffi
+from common import random_qkv
+
+Q, K, V = random_qkv(0, 2, 16, 16, 4, 2, 64, jnp.float32)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((Q[0, 0], K, V), "query must have rank 3"),
+    ((Q, K[0], V), "all be batched or all unbatched|key must have rank"),
+    ((Q, K[:1], V[:1]), "same batch size"),
+    ((Q, K, V[:, :8]), "key and value must agree"),
+    ((Q, K[..., :32], V), "same head dim"),
+    ((Q[:, :, :3], K, V), "multiple of key/value heads"),
+    ((Q, K.astype(jnp.bfloat16), V), "share one dtype"),
+    ((Q.astype(jnp.int32), K.astype(jnp.int32), V.astype(jnp.int32)), "dtype must be"),
+])
+@pytest.mark.parametrize("impl", [None, "xla", "cpu"])
+def test_shape_errors_name_the_argument(args, match, impl):
+  with pytest.raises(ValueError, match=match) as e:
+    jaxflash.attention(*args, implementation=impl)
+  assert "got query" in str(e.value)
+
+
+def test_unknown_implementation():
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    jaxflash.attention(Q, K, V, implementation="triton")
+
+
+@pytest.mark.parametrize("name, value", [
+    ("bias", jnp.zeros((2, 4, 16, 16))),
+    ("mask", jnp.ones((2, 4, 16, 16), bool)),
+    ("query_seq_lengths", jnp.array([3, 16])),
+    ("key_value_seq_lengths", jnp.array([3, 16])),
+    ("local_window_size", 4),
+])
+def test_variants_not_in_kernels_yet_are_not_ignored(name, value):
+  with pytest.raises(NotImplementedError, match=f"`{name}`"):
+    jaxflash.attention(Q, K, V, **{name: value}, implementation="cpu")
+  jaxflash.attention(Q, K, V, **{name: value}, implementation="xla")  # the reference takes them
+
+
+def test_cuda_request_without_cuda_says_why():
+  if _ffi.cuda_built() and jax.default_backend() == "gpu":
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+      jaxflash.attention(Q, K, V, implementation="cuda")
+    with pytest.raises(ValueError, match="head dims"):
+      jaxflash.attention(*(x[..., :40].astype(jnp.bfloat16) for x in (Q, K, V)),
+                         implementation="cuda")
+  elif not _ffi.cuda_built():
+    with pytest.raises(ValueError, match="built without CUDA"):
+      jaxflash.attention(Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16),
+                         V.astype(jnp.bfloat16), implementation="cuda")
+
+
+@pytest.mark.parametrize("outs, match", [
+    (lambda q: (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((2, 4, 15), jnp.float32)), "lse has shape"),
+    (lambda q: (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+                jax.ShapeDtypeStruct((2, 4, 16), jnp.float32)), "share one dtype"),
+    (lambda q: (jax.ShapeDtypeStruct(q.shape[1:], q.dtype),
+                jax.ShapeDtypeStruct((4, 16), jnp.float32)), "rank >= 4"),
+])
+def test_handler_validates_and_returns_an_error(outs, match):
+  """Calling the FFI target directly with malformed buffers fails cleanly, no crash."""
+  call = jax.ffi.ffi_call("jaxflash_fwd_cpu", outs(Q))
+  with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=match):
+    jax.block_until_ready(call(Q, K, V, scale=np.float32(0.1), is_causal=False))
+
+
+def test_handler_rejects_gqa_mismatch():
+  call = jax.ffi.ffi_call("jaxflash_fwd_cpu", (jax.ShapeDtypeStruct((2, 16, 3, 64), Q.dtype),
+                                               jax.ShapeDtypeStruct((2, 3, 16), jnp.float32)))
+  with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match="multiple"):
+    jax.block_until_ready(call(Q[:, :, :3], K, V, scale=np.float32(0.1), is_causal=False))

@@ -1,0 +1,55 @@
+"""GPU-only checks: 64-bit offsets (a tensor of more than 2**31 elements), platform choice."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxflash
+from common import assert_accurate, gpu
+
+pytestmark = [pytest.mark.gpu, gpu]
+
+
+def test_default_implementation_is_cuda_on_gpu():
+  q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+  assert "jaxflash_fwd_cuda" in jax.jit(jaxflash.attention).lower(q, q, q).as_text()
+
+
+def _rand(key, shape):
+  return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def test_query_tensor_over_2pow31_elements():
+  """q, out and dq have 2**31 + 2**21 elements; rows are independent, so a slice is checked."""
+  B, T, N, H, S = 1, 65536 + 64, 256, 128, 96
+  assert B * T * N * H > 2**31
+  q, k, v = _rand(0, (B, T, N, H)), _rand(1, (B, S, N, H)), _rand(2, (B, S, N, H))
+
+  def loss(q):
+    return jnp.sum(jaxflash.attention(q, k, v, implementation="cuda").astype(jnp.float32))
+
+  out = jax.jit(lambda q: jaxflash.attention(q, k, v, implementation="cuda"))(q)
+  tail = out[:, -100:]
+  dq_tail = jax.jit(jax.grad(loss))(q)[:, -100:]
+  del out
+
+  qs = q[:, -100:]
+  f32 = lambda x: x.astype(jnp.float32)
+  ref, _ = jaxflash.attention_reference(f32(qs), f32(k), f32(v))
+  lo, _ = jaxflash.attention_reference(qs, k, v)
+  assert_accurate("out tail", tail, ref, lo, jnp.bfloat16)
+  ref_loss = lambda q, k, v: jnp.sum(jaxflash.attention_reference(q, k, v)[0].astype(jnp.float32))
+  assert_accurate("dq tail", dq_tail, jax.grad(ref_loss)(f32(qs), f32(k), f32(v)),
+                  jax.grad(ref_loss)(qs, k, v), jnp.bfloat16)
+
+
+def test_key_tensor_over_2pow31_elements():
+  """k and v have 2**31 + 2**22 elements (S ~ 1M keys)."""
+  B, T, N, H, S = 1, 64, 16, 128, 1048576 + 2048
+  assert B * S * N * H > 2**31
+  q, k, v = _rand(3, (B, T, N, H)), _rand(4, (B, S, N, H)), _rand(5, (B, S, N, H))
+  out = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, implementation="cuda"))(q, k, v)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref, _ = jax.jit(jaxflash.attention_reference)(f32(q), f32(k), f32(v))
+  lo, _ = jax.jit(jaxflash.attention_reference)(q, k, v)
+  assert_accurate("out", out, ref, lo, jnp.bfloat16)
