@@ -2,7 +2,6 @@
 // dispatch to one compiled (dtype, head dim, causal) instantiation on XLA's stream.
 #include <cuda_runtime.h>
 
-#include <climits>
 #include <string>
 
 #include "cuda/dispatch.h"
@@ -36,9 +35,9 @@ ffi::Error validate_cuda(const FwdParams& p) {
     return invalid("the CUDA kernels support head dims (" + compiled_head_dims() +
                    ") with equal query and value head dims, got H=" + std::to_string(p.h) +
                    ", Hv=" + std::to_string(p.hv));
-  // Kernels index rows with int and copy rows in 16-byte chunks.
-  if (p.t > INT_MAX || p.s > INT_MAX)
-    return invalid("the CUDA kernels take sequence lengths below 2^31, got T=" +
+  // Kernels index rows with int (with a tile of headroom) and copy rows in 16-byte chunks.
+  if (p.t >= (int64_t{1} << 30) || p.s >= (int64_t{1} << 30))
+    return invalid("the CUDA kernels take sequence lengths below 2^30, got T=" +
                    std::to_string(p.t) + ", S=" + std::to_string(p.s));
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o)})
     if (!aligned16(ptr)) return invalid("the CUDA kernels need 16-byte aligned q, k, v, o");

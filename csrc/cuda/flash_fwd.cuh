@@ -23,24 +23,24 @@
 
 namespace jaxflash::cuda {
 
-// Tile shapes for the 4-warp FA2 forward; both give ~80-96 KB of shared memory and <= 255
-// registers per thread, so 2 CTAs (8 warps) fit on an SM.
+// Tile shapes for the 4-warp FA2 forward. 4 warps of 32 query rows, not 8 of 16: each warp
+// reads the whole K/V tile by ldmatrix, and with 8 warps those reads outrun the mma.sync
+// throughput. Key tiles are the widest with no register spill at 255 registers/thread
+// (ptxas -v): one key width wider spills ~100 bytes/thread of loop state.
 template <int kHeadDim>
 struct FwdTile;
 
-// d64: the O accumulator is 64 registers/thread, which leaves room for a 128-key S tile
-// (128 registers); wider key tiles halve the number of rescales and barriers.
+// d64: O is 64 fp32 registers/thread and S (64 keys) another 64; 48 KB of shared memory.
 template <>
 struct FwdTile<64> {
-  static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4;
+  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
 };
 
-// d128: the O accumulator alone is 128 registers/thread, so the S tile is cut to 64 keys
-// (64 registers); 4 warps rather than 8 halve the shared-memory reads of K and V, which
-// bound mma.sync attention at this head dim.
+// d128: O alone is 128 fp32 registers/thread, so S gets 32 keys (32 registers), as FA2 does
+// on sm86/89; 64 KB of shared memory. Registers cap residency at 2 CTAs (8 warps) per SM.
 template <>
 struct FwdTile<128> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
+  static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4;
 };
 
 template <typename T, int kHeadDim>
@@ -54,8 +54,8 @@ struct FwdCfg {
   static constexpr int kChunks = kHeadDim / 8;        // 16-byte chunks per row
   static constexpr int kTileQ = kBlockM * kHeadDim;   // elements of sQ
   static constexpr int kTileKV = kBlockN * kHeadDim;  // elements of one sK / sV stage
-  // sQ + 2 stages of sK and sV
-  static constexpr int kSmemBytes = (kTileQ + 4 * kTileKV) * static_cast<int>(sizeof(T));
+  // sQ + 2 stages of sK and sV, plus slack to align them to 128 bytes (step16 needs it)
+  static constexpr int kSmemBytes = (kTileQ + 4 * kTileKV) * static_cast<int>(sizeof(T)) + 128;
 
   static_assert(kHeadDim % 64 == 0, "the swizzle permutes groups of 8 chunks (64 columns)");
   static_assert(kWarpRows % 16 == 0 && kBlockN % 16 == 0, "whole m16 / k16 mma tiles");
@@ -67,11 +67,12 @@ struct FwdCfg {
     return row * kHeadDim + (((chunk ^ row) & 7) | (chunk & ~7)) * 8 + (col & 7);
   }
 
-  // Byte offset, within a swizzled tile, of a fragment row address 16 * kk columns to the
-  // right of off0, whose column is 0 or 8: the chunk index moves by 2 kk, which inside a
-  // group of 8 chunks is an XOR of (2 kk) % 8 (the row's XOR commutes with it).
-  __device__ static __forceinline__ uint32_t step16(uint32_t off0, int kk) {
-    return (off0 ^ ((kk % 4) * 32)) + (kk / 4) * 128;
+  // Shared address of a fragment row 16 * kk columns to the right of addr0, whose column is
+  // 0 or 8 in a swizzled tile with a 128-byte aligned base: the chunk index moves by 2 kk,
+  // which inside a group of 8 chunks (128 bytes) is an XOR with (2 kk) % 8, commuting with
+  // the row's XOR; a whole group further is a plain add.
+  __device__ static __forceinline__ uint32_t step16(uint32_t addr0, int kk) {
+    return (addr0 ^ ((kk % 4) * 32)) + (kk / 4) * 128;
   }
 
   // A pass of the CTA's cp.async copies kRowsPerPass whole rows of a tile; this thread copies
@@ -92,10 +93,10 @@ struct FwdCfg {
   __device__ static __forceinline__ void load_tile(T* sX, const T* src, int64_t row_stride,
                                                    int rows_left, int tid) {
     static_assert(kRows % kRowsPerPass == 0, "whole passes");
-    T* dst = sX + swz(tid / kChunks, tid % kChunks * 8);
+    const uint32_t dst = smem_addr(sX + swz(tid / kChunks, tid % kChunks * 8));
 #pragma unroll
     for (int it = 0; it < kRows / kRowsPerPass; ++it)
-      cp_async_16(dst + it * kRowsPerPass * kHeadDim, src + it * kRowsPerPass * row_stride,
+      cp_async_16(dst + it * kRowsPerPass * kHeadDim * sizeof(T), src + it * kRowsPerPass * row_stride,
                   it * kRowsPerPass < rows_left);
   }
 };
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
   constexpr int kNTilesO = kHeadDim / 8;   // n8 tiles of O (head dim)
 
   extern __shared__ __align__(128) unsigned char smem[];
-  T* sQ = reinterpret_cast<T*>(smem);  // (kBlockM, H); reused to stage O
+  T* sQ = reinterpret_cast<T*>(smem + (128 - smem_addr(smem) % 128) % 128);  // (kBlockM, H); reused to stage O
   T* sK = sQ + Cfg::kTileQ;            // (2, kBlockN, H)
   T* sV = sK + 2 * Cfg::kTileKV;       // (2, kBlockN, H)
 
@@ -119,7 +120,7 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
 
   // blockIdx.x enumerates (b, n, m_block) with m_block fastest, so the query tiles of one
   // head run together and share its K/V in L2. Causal runs the longest rows first.
-  // Row indices are int (the handler checks T, S < 2^31); element offsets are int64.
+  // Row indices are int (the handler checks T, S < 2^30); element offsets are int64.
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
   int m_block = static_cast<int>(blockIdx.x % num_m_blocks);
   const int64_t bn = blockIdx.x / num_m_blocks;  // b * N + n
@@ -166,17 +167,16 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
     }
 
   const int warp_row = warp * kWarpRows;  // first row of this warp within the tile
-  // Per-lane ldmatrix row addresses (byte offsets at k16 step 0). Each lane of a x4 load
+  // Per-lane ldmatrix row addresses (at k16 step 0). Each lane of a x4 load
   // names row lane % 8 of matrix lane / 8:
   //   Q (A, m16k16): matrices (rows +0..7 | +8..15) x (cols +0..7 | +8..15), row-fastest;
   //   K (B of S = Q K^T, two n8 tiles): (keys +0..7, d +0..7), (keys +0..7, d +8..15), then
   //     the same for keys +8..15;
   //   V (B of O = P V, .trans, two n8 tiles): (keys +0..7 | +8..15) x (d +0..7 | +8..15).
   constexpr uint32_t kRowBytes = kHeadDim * sizeof(T);
-  const uint32_t sQ_addr = smem_addr(sQ), sK_addr = smem_addr(sK), sV_addr = smem_addr(sV);
-  const uint32_t q_off = Cfg::swz(warp_row + lane % 16, lane / 16 * 8) * sizeof(T);
-  const uint32_t k_off = Cfg::swz(lane % 8 + lane / 16 * 8, (lane / 8) % 2 * 8) * sizeof(T);
-  const uint32_t v_off = Cfg::swz(lane % 16, lane / 16 * 8) * sizeof(T);
+  const uint32_t q_addr = smem_addr(sQ + Cfg::swz(warp_row + lane % 16, lane / 16 * 8));
+  const uint32_t k_addr = smem_addr(sK + Cfg::swz(lane % 8 + lane / 16 * 8, (lane / 8) % 2 * 8));
+  const uint32_t v_addr = smem_addr(sV + Cfg::swz(lane % 16, lane / 16 * 8));
   for (int j = 0; j < n_blocks; ++j) {
     // Tile j has landed for every thread, and every warp is done with the other stage.
     cp_async_wait<0>();
@@ -201,18 +201,19 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
       for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc_s[mi][nt][c] = 0.f;
-    const uint32_t sKj = sK_addr + stage * Cfg::kTileKV * sizeof(T);
+    const uint32_t stage_bytes = stage * Cfg::kTileKV * sizeof(T);  // a multiple of 128
+    const uint32_t k_addr_j = k_addr + stage_bytes;
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       uint32_t rQ[kMTiles][4];  // A fragments of the k16 step kk
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi)
-        ldmatrix_x4(rQ[mi], sQ_addr + Cfg::step16(q_off, kk) + mi * 16 * kRowBytes);
+        ldmatrix_x4(rQ[mi], Cfg::step16(q_addr, kk) + mi * 16 * kRowBytes);
 #pragma unroll
       for (int nj = 0; nj < kBlockN / 16; ++nj) {
         // B fragments (K^T) of key n8 tiles 2nj and 2nj+1
         uint32_t rK[4];
-        ldmatrix_x4(rK, sKj + Cfg::step16(k_off, kk) + nj * 16 * kRowBytes);
+        ldmatrix_x4(rK, Cfg::step16(k_addr_j, kk) + nj * 16 * kRowBytes);
         const uint32_t b0[2] = {rK[0], rK[1]}, b1[2] = {rK[2], rK[3]};
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi) {
@@ -277,7 +278,7 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
       }
 
     // O += P V: P's accumulator tiles 2kk, 2kk+1 are the A fragment of k16 step kk.
-    const uint32_t sVj = sV_addr + stage * Cfg::kTileKV * sizeof(T);
+    const uint32_t v_addr_j = v_addr + stage_bytes;
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t rP[kMTiles][4];
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
       for (int dj = 0; dj < kHeadDim / 16; ++dj) {
         // B fragments (V, transposed on load) of head-dim n8 tiles 2dj and 2dj+1
         uint32_t rV[4];
-        ldmatrix_x4_trans(rV, sVj + Cfg::step16(v_off, dj) + kk * 16 * kRowBytes);
+        ldmatrix_x4_trans(rV, Cfg::step16(v_addr_j, dj) + kk * 16 * kRowBytes);
         const uint32_t b0[2] = {rV[0], rV[1]}, b1[2] = {rV[2], rV[3]};
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi) {

@@ -77,10 +77,15 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* 
   ldmatrix_x2_trans(r, smem_addr(smem_row));
 }
 
-// 16-byte global->shared copy; when !pred the destination is zero-filled and nothing is read.
+// 16-byte global->shared copy to a shared-window address; when !pred the destination is
+// zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
+               "r"(pred ? 16 : 0));
+}
+
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
-               "l"(gmem), "r"(pred ? 16 : 0));
+  cp_async_16(smem_addr(smem), gmem, pred);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
