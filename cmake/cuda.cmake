@@ -14,13 +14,19 @@ foreach(hdim ${JAXFLASH_HEAD_DIMS})
 endforeach()
 
 target_sources(_jaxflash_ext PRIVATE ${_cuda_sources})
-string(REPLACE ";" "," _hdims_csv "${JAXFLASH_HEAD_DIMS}")
-target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_WITH_CUDA
-  JAXFLASH_CUDA_ARCHS="${JAXFLASH_CUDA_ARCHS}" JAXFLASH_HEAD_DIMS="${JAXFLASH_HEAD_DIMS}")
+# The build-info strings keep the lists' ";", which COMPILE_DEFINITIONS would split into
+# separate definitions even when escaped, so module.cc gets them from a generated header.
+file(CONFIGURE OUTPUT "${CMAKE_CURRENT_BINARY_DIR}/jaxflash_build_info.h" CONTENT
+  "#define JAXFLASH_CUDA_ARCHS \"@JAXFLASH_CUDA_ARCHS@\"\n#define JAXFLASH_HEAD_DIMS \"@JAXFLASH_HEAD_DIMS@\"\n")
+set_source_files_properties(csrc/module.cc PROPERTIES
+  COMPILE_OPTIONS "-include;${CMAKE_CURRENT_BINARY_DIR}/jaxflash_build_info.h")
+target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_WITH_CUDA)
 foreach(hdim ${JAXFLASH_HEAD_DIMS})
   target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_HDIM${hdim})
 endforeach()
 target_compile_options(_jaxflash_ext PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo --use_fast_math>)
 target_link_libraries(_jaxflash_ext PRIVATE CUDA::cudart_static)
-set_target_properties(_jaxflash_ext PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
+# The target exists before enable_language(CUDA), so it never saw CMAKE_CUDA_ARCHITECTURES.
+set_target_properties(_jaxflash_ext PROPERTIES CUDA_SEPARABLE_COMPILATION OFF
+  CUDA_ARCHITECTURES "${JAXFLASH_CUDA_ARCHS}")

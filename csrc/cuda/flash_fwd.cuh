@@ -1,0 +1,357 @@
+// FlashAttention-2 forward on sm80+ (mma.sync m16n8k16, ldmatrix, cp.async).
+//
+// One CTA owns a (kBlockM, H) tile of queries of one (batch b, head n) and streams the
+// (kBlockN, H) tiles of K and V of kv head n / group through shared memory, double
+// buffered: tile j + 1 is in flight while tile j is computed. Each warp owns kBlockM / kWarps
+// query rows and keeps, per row, the running max m (of log2-scaled logits), the running sum
+// l and the fp32 O accumulator in registers (the online softmax). The P tile never leaves
+// registers: the m16n8 accumulator of two adjacent key n8 tiles is exactly the m16k16 A
+// fragment of P.V.
+//
+// Shared tiles are row-major with H columns; the 16-byte chunk index is XORed with row % 8
+// so that the 8 row addresses of one ldmatrix matrix (same column, 8 consecutive rows) fall
+// into 8 different bank groups, and so are the cp.async writes and the O staging.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../params.h"
+#include "mma.cuh"
+
+namespace jaxflash::cuda {
+
+// Tile shapes for the 4-warp FA2 forward. 4 warps of 32 query rows, not 8 of 16: each warp
+// reads the whole K/V tile by ldmatrix, and with 8 warps those reads outrun the mma.sync
+// throughput. Key tiles are the widest with no register spill at 255 registers/thread
+// (ptxas -v): one key width wider spills ~100 bytes/thread of loop state.
+template <int kHeadDim>
+struct FwdTile;
+
+// d64: O is 64 fp32 registers/thread and S (64 keys) another 64; 48 KB of shared memory.
+template <>
+struct FwdTile<64> {
+  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
+};
+
+// d128: O alone is 128 fp32 registers/thread, so S gets 32 keys (32 registers), as FA2 does
+// on sm86/89; 64 KB of shared memory. Registers cap residency at 2 CTAs (8 warps) per SM.
+template <>
+struct FwdTile<128> {
+  static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4;
+};
+
+template <typename T, int kHeadDim>
+struct FwdCfg {
+  static constexpr int kBlockM = FwdTile<kHeadDim>::kBlockM;
+  static constexpr int kBlockN = FwdTile<kHeadDim>::kBlockN;
+  static constexpr int kWarps = FwdTile<kHeadDim>::kWarps;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kWarpRows = kBlockM / kWarps;  // query rows per warp
+  static constexpr int kMTiles = kWarpRows / 16;      // m16 tiles per warp
+  static constexpr int kChunks = kHeadDim / 8;        // 16-byte chunks per row
+  static constexpr int kTileQ = kBlockM * kHeadDim;   // elements of sQ
+  static constexpr int kTileKV = kBlockN * kHeadDim;  // elements of one sK / sV stage
+  // sQ + 2 stages of sK and sV, plus slack to align them to 128 bytes (step16 needs it)
+  static constexpr int kSmemBytes = (kTileQ + 4 * kTileKV) * static_cast<int>(sizeof(T)) + 128;
+
+  static_assert(kHeadDim % 64 == 0, "the swizzle permutes groups of 8 chunks (64 columns)");
+  static_assert(kWarpRows % 16 == 0 && kBlockN % 16 == 0, "whole m16 / k16 mma tiles");
+  static_assert(kThreads % kChunks == 0, "a pass of the CTA copies whole rows");
+
+  // Element offset of (row, col) in a swizzled shared tile with kHeadDim columns.
+  __device__ static __forceinline__ int swz(int row, int col) {
+    const int chunk = col >> 3;
+    return row * kHeadDim + (((chunk ^ row) & 7) | (chunk & ~7)) * 8 + (col & 7);
+  }
+
+  // Shared address of a fragment row 16 * kk columns to the right of addr0, whose column is
+  // 0 or 8 in a swizzled tile with a 128-byte aligned base: the chunk index moves by 2 kk,
+  // which inside a group of 8 chunks (128 bytes) is an XOR with (2 kk) % 8, commuting with
+  // the row's XOR; a whole group further is a plain add.
+  __device__ static __forceinline__ uint32_t step16(uint32_t addr0, int kk) {
+    return (addr0 ^ ((kk % 4) * 32)) + (kk / 4) * 128;
+  }
+
+  // A pass of the CTA's cp.async copies kRowsPerPass whole rows of a tile; this thread copies
+  // column chunk tid % kChunks of rows tid / kChunks + it * kRowsPerPass.
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static_assert(kRowsPerPass % 8 == 0, "passes keep row % 8, hence the swizzle, fixed");
+
+  // This thread's first source element of a tile whose row 0 is global row row0.
+  __device__ static __forceinline__ const T* thread_src(const T* gX, int64_t row_stride,
+                                                        int row0, int tid) {
+    return gX + (row0 + tid / kChunks) * row_stride + tid % kChunks * 8;
+  }
+
+  // cp.async a (kRows, H) tile into the swizzled sX; src = thread_src(...) of the tile.
+  // Rows at or past rows_left (counted from this thread's first row) are zero-filled and
+  // their source address is never dereferenced.
+  template <int kRows>
+  __device__ static __forceinline__ void load_tile(T* sX, const T* src, int64_t row_stride,
+                                                   int rows_left, int tid) {
+    static_assert(kRows % kRowsPerPass == 0, "whole passes");
+    const uint32_t dst = smem_addr(sX + swz(tid / kChunks, tid % kChunks * 8));
+#pragma unroll
+    for (int it = 0; it < kRows / kRowsPerPass; ++it)
+      cp_async_16(dst + it * kRowsPerPass * kHeadDim * sizeof(T), src + it * kRowsPerPass * row_stride,
+                  it * kRowsPerPass < rows_left);
+  }
+};
+
+template <typename T, int kHeadDim, bool kCausal>
+__global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
+    flash_fwd_kernel(const FwdParams p, int num_m_blocks) {
+  using Cfg = FwdCfg<T, kHeadDim>;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
+  constexpr int kWarpRows = Cfg::kWarpRows, kMTiles = Cfg::kMTiles, kChunks = Cfg::kChunks;
+  constexpr int kNTilesS = kBlockN / 8;    // n8 tiles of S (keys)
+  constexpr int kNTilesO = kHeadDim / 8;   // n8 tiles of O (head dim)
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem + (128 - smem_addr(smem) % 128) % 128);  // (kBlockM, H); reused to stage O
+  T* sK = sQ + Cfg::kTileQ;            // (2, kBlockN, H)
+  T* sV = sK + 2 * Cfg::kTileKV;       // (2, kBlockN, H)
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tig = lane % 4;  // accumulator row (and row + 8) and column pair
+
+  // blockIdx.x enumerates (b, n, m_block) with m_block fastest, so the query tiles of one
+  // head run together and share its K/V in L2. Causal runs the longest rows first.
+  // Row indices are int (the handler checks T, S < 2^30); element offsets are int64.
+  const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
+  int m_block = static_cast<int>(blockIdx.x % num_m_blocks);
+  const int64_t bn = blockIdx.x / num_m_blocks;  // b * N + n
+  const int64_t n = bn % p.n, b = bn / p.n;
+  if (kCausal) m_block = num_m_blocks - 1 - m_block;
+  const int64_t kvh = n / (p.n / p.kh);  // GQA: kv head of query head n (p.group() is host-only)
+  const int m0 = m_block * kBlockM;      // first query row of the tile
+  const int row_in = tid / kChunks;      // first tile row this thread copies
+
+  // Keys this tile needs: all S, or under causal up to its last stored row t (s <= t).
+  const int kv_len = kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len;
+  const int n_blocks = (kv_len + kBlockN - 1) / kBlockN;
+
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
+  Cfg::template load_tile<kBlockM>(sQ, Cfg::thread_src(gQ, p.q_row_stride, m0, tid),
+                                   p.q_row_stride, t_len - m0 - row_in, tid);
+  // This thread's source rows of K/V tile 0; tile j starts j * kBlockN rows further.
+  const T* gK = Cfg::thread_src(
+      static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride,
+      p.k_row_stride, 0, tid);
+  const T* gV = Cfg::thread_src(
+      static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride,
+      p.v_row_stride, 0, tid);
+  if (n_blocks > 0) {
+    Cfg::template load_tile<kBlockN>(sK, gK, p.k_row_stride, s_len - row_in, tid);
+    Cfg::template load_tile<kBlockN>(sV, gV, p.v_row_stride, s_len - row_in, tid);
+  }
+  cp_async_commit();
+
+  float acc_o[kMTiles][kNTilesO][4];  // (kWarpRows, H) fp32
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int dt = 0; dt < kNTilesO; ++dt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc_o[mi][dt][c] = 0.f;
+  float row_max[kMTiles][2], row_sum[kMTiles][2];  // rows g and g + 8 of each m16 tile
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[mi][h] = -INFINITY;
+      row_sum[mi][h] = 0.f;  // this lane's share; the quad's shares are summed at the end
+    }
+
+  const int warp_row = warp * kWarpRows;  // first row of this warp within the tile
+  // Per-lane ldmatrix row addresses (at k16 step 0). Each lane of a x4 load
+  // names row lane % 8 of matrix lane / 8:
+  //   Q (A, m16k16): matrices (rows +0..7 | +8..15) x (cols +0..7 | +8..15), row-fastest;
+  //   K (B of S = Q K^T, two n8 tiles): (keys +0..7, d +0..7), (keys +0..7, d +8..15), then
+  //     the same for keys +8..15;
+  //   V (B of O = P V, .trans, two n8 tiles): (keys +0..7 | +8..15) x (d +0..7 | +8..15).
+  constexpr uint32_t kRowBytes = kHeadDim * sizeof(T);
+  const uint32_t q_addr = smem_addr(sQ + Cfg::swz(warp_row + lane % 16, lane / 16 * 8));
+  const uint32_t k_addr = smem_addr(sK + Cfg::swz(lane % 8 + lane / 16 * 8, (lane / 8) % 2 * 8));
+  const uint32_t v_addr = smem_addr(sV + Cfg::swz(lane % 16, lane / 16 * 8));
+  for (int j = 0; j < n_blocks; ++j) {
+    // Tile j has landed for every thread, and every warp is done with the other stage.
+    cp_async_wait<0>();
+    __syncthreads();
+    const int stage = j & 1;
+    if (j + 1 < n_blocks) {
+      const int next = (j + 1) * kBlockN;
+      Cfg::template load_tile<kBlockN>(sK + (stage ^ 1) * Cfg::kTileKV,
+                                       gK + next * p.k_row_stride, p.k_row_stride,
+                                       s_len - next - row_in, tid);
+      Cfg::template load_tile<kBlockN>(sV + (stage ^ 1) * Cfg::kTileKV,
+                                       gV + next * p.v_row_stride, p.v_row_stride,
+                                       s_len - next - row_in, tid);
+    }
+    cp_async_commit();
+
+    // S = Q K^T: (kWarpRows, kBlockN) per warp
+    float acc_s[kMTiles][kNTilesS][4];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_s[mi][nt][c] = 0.f;
+    const uint32_t stage_bytes = stage * Cfg::kTileKV * sizeof(T);  // a multiple of 128
+    const uint32_t k_addr_j = k_addr + stage_bytes;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t rQ[kMTiles][4];  // A fragments of the k16 step kk
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+        ldmatrix_x4(rQ[mi], Cfg::step16(q_addr, kk) + mi * 16 * kRowBytes);
+#pragma unroll
+      for (int nj = 0; nj < kBlockN / 16; ++nj) {
+        // B fragments (K^T) of key n8 tiles 2nj and 2nj+1
+        uint32_t rK[4];
+        ldmatrix_x4(rK, Cfg::step16(k_addr_j, kk) + nj * 16 * kRowBytes);
+        const uint32_t b0[2] = {rK[0], rK[1]}, b1[2] = {rK[2], rK[3]};
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          mma_16816<T>(acc_s[mi][2 * nj], rQ[mi], b0);
+          mma_16816<T>(acc_s[mi][2 * nj + 1], rQ[mi], b1);
+        }
+      }
+    }
+
+    // Logits in log2 units; keys >= S, and under causal keys s > t, become -inf. Only
+    // tiles that reach past S or straddle the diagonal pay for the mask.
+    const int n0 = j * kBlockN;
+    const bool need_mask = n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0);
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_s[mi][nt][c] *= p.scale_log2;
+    if (need_mask) {
+      const int kv_limit = s_len - n0;  // tile-relative key bound
+      const int diag = m0 - n0;         // key col is hidden from row r (tile-relative) when col - r > diag
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int col = nt * 8 + tig * 2 + c % 2;
+            const int row = warp_row + mi * 16 + g + c / 2 * 8;
+            if (col >= kv_limit || (kCausal && col - row > diag)) acc_s[mi][nt][c] = -INFINITY;
+          }
+    }
+
+    // Online softmax: new running max, rescale l and O by 2^(m_old - m_new), P = 2^(S - m).
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = row_max[mi][h];
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+          mx = fmaxf(mx, fmaxf(acc_s[mi][nt][2 * h], acc_s[mi][nt][2 * h + 1]));
+        mx = quad_max(mx);
+        // A row with no visible key so far keeps m = -inf; subtracting 0 then gives P = 0.
+        const float m_use = mx == -INFINITY ? 0.f : mx;
+        const float corr = exp2_approx(row_max[mi][h] - m_use);
+        row_max[mi][h] = mx;
+        row_sum[mi][h] *= corr;
+#pragma unroll
+        for (int dt = 0; dt < kNTilesO; ++dt) {
+          acc_o[mi][dt][2 * h] *= corr;
+          acc_o[mi][dt][2 * h + 1] *= corr;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+          for (int c = 2 * h; c < 2 * h + 2; ++c) {
+            acc_s[mi][nt][c] = exp2_approx(acc_s[mi][nt][c] - m_use);
+            row_sum[mi][h] += acc_s[mi][nt][c];
+          }
+      }
+
+    // O += P V: P's accumulator tiles 2kk, 2kk+1 are the A fragment of k16 step kk.
+    const uint32_t v_addr_j = v_addr + stage_bytes;
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t rP[kMTiles][4];
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        rP[mi][0] = pack2<T>(acc_s[mi][2 * kk][0], acc_s[mi][2 * kk][1]);          // row g, k 0..7
+        rP[mi][1] = pack2<T>(acc_s[mi][2 * kk][2], acc_s[mi][2 * kk][3]);          // row g+8, k 0..7
+        rP[mi][2] = pack2<T>(acc_s[mi][2 * kk + 1][0], acc_s[mi][2 * kk + 1][1]);  // row g, k 8..15
+        rP[mi][3] = pack2<T>(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);  // row g+8, k 8..15
+      }
+#pragma unroll
+      for (int dj = 0; dj < kHeadDim / 16; ++dj) {
+        // B fragments (V, transposed on load) of head-dim n8 tiles 2dj and 2dj+1
+        uint32_t rV[4];
+        ldmatrix_x4_trans(rV, Cfg::step16(v_addr_j, dj) + kk * 16 * kRowBytes);
+        const uint32_t b0[2] = {rV[0], rV[1]}, b1[2] = {rV[2], rV[3]};
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          mma_16816<T>(acc_o[mi][2 * dj], rP[mi], b0);
+          mma_16816<T>(acc_o[mi][2 * dj + 1], rP[mi], b1);
+        }
+      }
+    }
+  }
+
+  // Epilogue: O = acc / l and lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0,
+  // lse = -inf. O is staged through this warp's own rows of sQ for 16-byte global stores.
+  cp_async_wait<0>();  // with no key tile, the Q copy may still be landing in sQ
+  __syncwarp();
+  T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
+  float* gLse = p.lse + bn * p.t;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = quad_sum(row_sum[mi][h]);
+      const float inv = l == 0.f ? 0.f : 1.f / l;
+      const int row = warp_row + mi * 16 + g + h * 8;
+#pragma unroll
+      for (int dt = 0; dt < kNTilesO; ++dt) {
+        *reinterpret_cast<uint32_t*>(sQ + Cfg::swz(row, dt * 8 + tig * 2)) =
+            pack2<T>(acc_o[mi][dt][2 * h] * inv, acc_o[mi][dt][2 * h + 1] * inv);
+      }
+      if (tig == 0 && m0 + row < t_len)
+        gLse[m0 + row] = l == 0.f ? -INFINITY : (row_max[mi][h] + log2f(l)) * 0.6931471805599453f;
+    }
+  __syncwarp();
+#pragma unroll
+  for (int it = 0; it < kWarpRows * kChunks / 32; ++it) {
+    const int i = it * 32 + lane;
+    const int row = warp_row + i / kChunks, c = i % kChunks;
+    if (m0 + row < t_len)
+      *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(m0 + row) * p.o_row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(sQ + Cfg::swz(row, c * 8));
+  }
+}
+
+template <typename T, int kHeadDim, bool kCausal>
+void run_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdCfg<T, kHeadDim>;
+  const int64_t num_m_blocks = (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  // Fits grid.x (< 2^31) for any tensor that fits in memory: lse alone would need > 1 TB.
+  const int64_t grid = num_m_blocks * p.n * p.b;
+  if (grid == 0) return;
+  auto kernel = flash_fwd_kernel<T, kHeadDim, kCausal>;
+  if (Cfg::kSmemBytes > 48 * 1024) {
+    // Per device and cheap; a failure shows up in the caller's cudaGetLastError().
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Cfg::kSmemBytes) != cudaSuccess)
+      return;
+  }
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+      p, static_cast<int>(num_m_blocks));
+}
+
+}  // namespace jaxflash::cuda

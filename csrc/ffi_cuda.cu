@@ -1,0 +1,141 @@
+// CUDA FFI handlers: decode buffers -> params, validate what the CUDA kernels cover, then
+// dispatch to one compiled (dtype, head dim, causal) instantiation on XLA's stream.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/dispatch.h"
+#include "ffi_params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxflash {
+namespace {
+
+ffi::Error cuda_error(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxflash: ") + what + ": " + cudaGetErrorString(err));
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// The head dims this build has kernels for, e.g. "64, 128", for error messages.
+std::string compiled_head_dims() {
+  std::string out;
+  for (int h : {32, 64, 96, 128, 160, 192, 224, 256})
+    if (cuda::head_dim_compiled(h)) out += (out.empty() ? "" : ", ") + std::to_string(h);
+  return out;
+}
+
+// What the CUDA kernels cover beyond what make_fwd_params already checked.
+ffi::Error validate_cuda(const FwdParams& p) {
+  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16)
+    return invalid("the CUDA kernels take float16 or bfloat16 inputs, got float32");
+  if (p.h != p.hv || !cuda::head_dim_compiled(p.h))
+    return invalid("the CUDA kernels support head dims (" + compiled_head_dims() +
+                   ") with equal query and value head dims, got H=" + std::to_string(p.h) +
+                   ", Hv=" + std::to_string(p.hv));
+  // Kernels index rows with int (with a tile of headroom) and copy rows in 16-byte chunks.
+  if (p.t >= (int64_t{1} << 30) || p.s >= (int64_t{1} << 30))
+    return invalid("the CUDA kernels take sequence lengths below 2^30, got T=" +
+                   std::to_string(p.t) + ", S=" + std::to_string(p.s));
+  for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o)})
+    if (!aligned16(ptr)) return invalid("the CUDA kernels need 16-byte aligned q, k, v, o");
+  return ffi::Error::Success();
+}
+
+struct FwdLaunch {
+  const FwdParams& p;
+  cudaStream_t stream;
+  template <typename T, int kHeadDim, bool kCausal>
+  void operator()() const {
+    cuda::run_fwd<T, kHeadDim, kCausal>(p, stream);
+  }
+};
+
+struct BwdLaunch {
+  const BwdParams& p;
+  cudaStream_t stream;
+  template <typename T, int kHeadDim, bool kCausal>
+  void operator()() const {
+    cuda::run_bwd<T, kHeadDim, kCausal>(p, stream);
+  }
+};
+
+ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                   bool is_causal) {
+  FwdParams p{};
+  if (auto e = make_fwd_params(q, k, v, *o, *lse, scale, is_causal, p); e.failure()) return e;
+  if (auto e = validate_cuda(p); e.failure()) return e;
+  // Nothing to write. S == 0 is not empty: the kernel writes O = 0 and lse = -inf.
+  if (p.b == 0 || p.t == 0 || p.n == 0) return ffi::Error::Success();
+  if (!cuda::dispatch(p, FwdLaunch{p, stream}))
+    return invalid("no CUDA forward kernel compiled for this dtype and head dim");
+  return cuda_error("forward kernel launch failed");
+}
+
+ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                   ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                   ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale,
+                   bool is_causal) {
+  BwdParams p{};
+  if (auto e = make_bwd_params(q, k, v, o, lse, dout, dlse, *dq, *dk, *dv, scale, is_causal, p);
+      e.failure())
+    return e;
+  if (auto e = validate_cuda(p); e.failure()) return e;
+  for (const void* ptr : {p.dout, static_cast<const void*>(p.dq), static_cast<const void*>(p.dk),
+                          static_cast<const void*>(p.dv)})
+    if (!aligned16(ptr)) return invalid("the CUDA kernels need 16-byte aligned dout, dq, dk, dv");
+  // With no query or no key there is no attention weight: every gradient is zero (dk and dv
+  // may still be non-empty, e.g. T == 0 < S).
+  if (p.b == 0 || p.t == 0 || p.n == 0 || p.s == 0) {
+    for (ffi::AnyBuffer* buf : {&*dq, &*dk, &*dv})
+      if (buf->size_bytes() > 0) cudaMemsetAsync(buf->untyped_data(), 0, buf->size_bytes(), stream);
+    return cuda_error("zero-filling the gradients failed");
+  }
+  const size_t rows = static_cast<size_t>(p.b * p.n * p.t);  // (B, N, T) = (B, T, N) rows
+  auto delta = scratch.Allocate(rows * sizeof(float), 16);
+  auto dq_accum = scratch.Allocate(rows * static_cast<size_t>(p.h) * sizeof(float), 16);
+  if (!delta || !dq_accum)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jaxflash: could not allocate the fp32 backward workspaces");
+  p.delta = static_cast<float*>(*delta);
+  p.dq_accum = static_cast<float*>(*dq_accum);
+  if (!cuda::dispatch(p, BwdLaunch{p, stream}))
+    return invalid("no CUDA backward kernel compiled for this dtype and head dim");
+  return cuda_error("backward kernel launch failed");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_fwd_cuda, FwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Ret<ffi::AnyBuffer>()  // o
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("is_causal"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_bwd_cuda, BwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // o
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // dlse
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("is_causal"));
+
+}  // namespace jaxflash
