@@ -37,6 +37,7 @@ template <int kHeadDim>
 struct Tiles {
   static constexpr int kBlockN = 128;                     // keys per CTA
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // queries per step
+  static constexpr int kSubM = 32;  // queries per S^T/dP^T sub-block (registers, see below)
   static constexpr int kWarps = kBlockN / 16;
   static constexpr int kThreads = kWarps * 32;
   // dQ = dS K is a (kBlockM, H) tile: warps split it kWarpsMdQ x kWarpsDdQ, 16 rows each.
@@ -45,6 +46,7 @@ struct Tiles {
   static constexpr int kColsdQ = kHeadDim / kWarpsDdQ;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 only");
   static_assert(kWarps % kWarpsMdQ == 0 && kColsdQ % 16 == 0, "dQ warp layout");
+  static_assert(kBlockM * kHeadDim / 8 % kThreads == 0 && kBlockM <= kThreads, "copy loops");
 
   static constexpr int kSmemBytes =
       (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + kBlockN * kBlockM) * 2 +
@@ -155,21 +157,64 @@ __global__ void __launch_bounds__(RowChunks<kHeadDim>::kThreads)
                             n * p.dq_head_stride + c * 8) = out;
 }
 
-// ldmatrix lane -> (row, col) of the 16x16 block it addresses, for the two x4 patterns used:
-//  * kRowMajorA: A (m16 x k16) from row-major (m, k) storage, or with .trans B (k16 x n16) from
-//    (k, n) storage: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) in column order;
-//  * kTwoB: two B tiles (k16 x n8) from (n, k) storage, or with .trans A from (k, m) storage:
-//    matrices in row order.
-__device__ __forceinline__ int lm_row_a(int lane) { return lane % 16; }
-__device__ __forceinline__ int lm_col_a(int lane) { return (lane / 16) * 8; }
-__device__ __forceinline__ int lm_row_b(int lane) { return lane % 8 + (lane / 16) * 8; }
-__device__ __forceinline__ int lm_col_b(int lane) { return (lane / 8 % 2) * 8; }
+// ldmatrix on 32-bit shared-memory addresses: precomputed per-lane offsets stay one register each.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void sts_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+}
+
+// The row and 8-column chunk (0 or 1) of a 16x16 block whose address a lane hands to an
+// ldmatrix.x4 (lane i addresses row i % 8 of matrix i / 8), for the two orders of the 4 matrices:
+//  * kA: matrices (rows 0-7, 8-15) x (cols 0-7, 8-15) in column order: an A fragment (m16 x k16)
+//    from (m, k) storage, or with .trans two B fragments (k16 x n8) from (k, n) storage;
+//  * kB: the same in row order: two B fragments from (n, k) storage, or with .trans an A
+//    fragment from (k, m) storage.
+// Register order is matrix order: A = {a0, a1, a2, a3}; two B = {b0, b1} of n-tile 0, then 1.
+enum class Ldsm { kA, kB };
+template <Ldsm kOrder>
+__device__ __forceinline__ int ldsm_row(int lane) {
+  return kOrder == Ldsm::kA ? lane % 16 : lane % 8 + lane / 16 * 8;
+}
+template <Ldsm kOrder>
+__device__ __forceinline__ int ldsm_chunk(int lane) {
+  return kOrder == Ldsm::kA ? lane / 16 : lane / 8 % 2;
+}
+
+// Byte offsets in a swizzled (rows, kCols) tile (see swz) of the lane's ldmatrix row in the
+// 16x16 blocks at columns 16 * v, v = 0..3. As the block's first row r0 is a multiple of 8
+// the swizzle is periodic: the block at (r0, c0) is at bytes r0 * kCols * 2 + off(c0), below.
+template <int kCols, Ldsm kOrder>
+struct LdsmOffsets {
+  uint32_t v[4];
+  __device__ __forceinline__ explicit LdsmOffsets(int lane) {
+    const int row = ldsm_row<kOrder>(lane), chunk = ldsm_chunk<kOrder>(lane);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = (row * kCols + (((2 * i + chunk) ^ (row & 7)) << 3)) * 2;
+  }
+  // c0 % 16 == 0, known at compile time after unrolling (it indexes registers).
+  __device__ __forceinline__ uint32_t operator()(int c0) const {
+    return c0 / 64 * 128 + v[c0 / 16 % 4];
+  }
+};
 
 template <typename T, int kHeadDim, bool kCausal>
 __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(const BwdParams p) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int D = kHeadDim, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  constexpr int kSubM = Cfg::kSubM;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row of Q, dO, K, V
+  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem);  // (N, D)
@@ -179,6 +224,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   T* sdS = sdO + 2 * M * D;            // (N, M): dS^T of the current query tile
   float* sLse = reinterpret_cast<float*>(sdS + N * M);  // 2 x (M)
   float* sDelta = sLse + 2 * M;                         // 2 x (M)
+  // The same tiles as shared-memory byte addresses, for ldmatrix.
+  const uint32_t aK = smem_addr(sK), aV = smem_addr(sV), aQ = smem_addr(sQ),
+                 adO = smem_addr(sdO), adS = smem_addr(sdS);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, tq = lane % 4;  // fragment row (and row + 8), column pair 2 * tq
@@ -212,25 +260,29 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
                    n * p.do_head_stride + m0 * p.do_row_stride;  // (M, D)
     T* tQ = sQ + buf * M * D;
     T* tdO = sdO + buf * M * D;
+    // Recomputed each step: hoisting the per-thread 64-bit row offsets out of the main loop
+    // would hold a dozen registers for a few integer ops.
+    int t0 = tid;
+    asm volatile("" : "+r"(t0));
 #pragma unroll
-    for (int i = tid; i < M * kChunks; i += kThreads) {
-      const int row = i / kChunks, col = i % kChunks * 8;
+    for (int k = 0; k < M * kChunks / kThreads; ++k) {
+      const int i = t0 + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
       const bool ok = m0 + row < seq_t;  // rows past T are zero-filled, never read
       cp_async_16(&tQ[swz<D>(row, col)], gQ + (ok ? row * p.q_row_stride + col : 0), ok);
       cp_async_16(&tdO[swz<D>(row, col)], gdO + (ok ? row * p.do_row_stride + col : 0), ok);
     }
     const int64_t bnt = (b * p.n + n) * p.t + m0;  // (B, N, T) row statistics
-    for (int i = tid; i < M; i += kThreads) {
-      const bool ok = m0 + i < seq_t;
-      cp_async_4(&sLse[buf * M + i], p.lse + bnt + (ok ? i : 0), ok);
-      cp_async_4(&sDelta[buf * M + i], p.delta + bnt + (ok ? i : 0), ok);
+    if (tid < M) {
+      const bool ok = m0 + tid < seq_t;
+      cp_async_4(&sLse[buf * M + tid], p.lse + bnt + (ok ? tid : 0), ok);
+      cp_async_4(&sDelta[buf * M + tid], p.delta + bnt + (ok ? tid : 0), ok);
     }
   };
 
   if (iters > 0) {
 #pragma unroll
-    for (int i = tid; i < N * kChunks; i += kThreads) {
-      const int row = i / kChunks, col = i % kChunks * 8;
+    for (int k = 0; k < N * kChunks / kThreads; ++k) {
+      const int i = tid + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
       const bool ok = n0 + row < seq_s;  // keys past S are zero-filled and masked
       cp_async_16(&sK[swz<D>(row, col)], gK + (ok ? row * p.k_row_stride + col : 0), ok);
       cp_async_16(&sV[swz<D>(row, col)], gV + (ok ? row * p.v_row_stride + col : 0), ok);
@@ -240,6 +292,18 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   }
 
   const int kw = warp * 16;  // this warp's first key in the tile
+  const LdsmOffsets<D, Ldsm::kA> offA(lane);  // on K, V, Q, dO tiles
+  const LdsmOffsets<D, Ldsm::kB> offB(lane);
+  // dQ = dS K: (M, D) split over warps as (16, kColsdQ) tiles at query wm, column wd.
+  constexpr int kColsdQ = Cfg::kColsdQ;
+  const int wm = warp % Cfg::kWarpsMdQ * 16, wd = warp / Cfg::kWarpsMdQ * kColsdQ;
+  // This warp's A = dS (queries wm.., k16 keys) from the (N, M) dS^T tile: one block column.
+  const uint32_t adS_warp =
+      adS + (ldsm_row<Ldsm::kB>(lane) * M +
+             (((wm / 8 + ldsm_chunk<Ldsm::kB>(lane)) ^ (lane & 7)) << 3)) * 2;
+
+  const uint32_t adS_rows = adS + (kw + g) * M * 2;  // this lane's dS^T row in sdS
+
   float acc_dk[D / 8][4] = {};  // (16, D) of dK for keys kw.., n8 tiles along D
   float acc_dv[D / 8][4] = {};  // (16, D) of dV
 
@@ -258,129 +322,130 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
 
     const int64_t n = kh * G + it / n_m;
     const int m0 = (m_first + it % n_m) * M;
-    const T* tQ = sQ + buf * M * D;    // (M, D)
-    const T* tdO = sdO + buf * M * D;  // (M, D)
+    const uint32_t aQt = aQ + buf * M * D * 2, adOt = adO + buf * M * D * 2;  // (M, D) tiles
+    const uint32_t aKw = aK + kw * D * 2, aVw = aV + kw * D * 2;  // the warp's 16 keys
     const bool need_mask = (kCausal && m0 < n0 + N - 1) || m0 + M > seq_t || n0 + N > seq_s;
-
-    // S^T = K Q^T: (16, M) per warp; A = K rows kw.. (ldmatrix), B = Q^T from (M, D) storage.
-    float acc_s[M / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, &sK[swz<D>(kw + lm_row_a(lane), kk * 16 + lm_col_a(lane))]);
-#pragma unroll
-      for (int j = 0; j < M / 16; ++j) {
-        uint32_t bq[4];
-        ldmatrix_x4(bq, &tQ[swz<D>(j * 16 + lm_row_b(lane), kk * 16 + lm_col_b(lane))]);
-        mma_16816<T>(acc_s[2 * j], a, {bq[0], bq[1]});
-        mma_16816<T>(acc_s[2 * j + 1], a, {bq[2], bq[3]});
-      }
-    }
-    // dP^T = V dO^T: (16, M) per warp.
-    float acc_dp[M / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, &sV[swz<D>(kw + lm_row_a(lane), kk * 16 + lm_col_a(lane))]);
-#pragma unroll
-      for (int j = 0; j < M / 16; ++j) {
-        uint32_t bo[4];
-        ldmatrix_x4(bo, &tdO[swz<D>(j * 16 + lm_row_b(lane), kk * 16 + lm_col_b(lane))]);
-        mma_16816<T>(acc_dp[2 * j], a, {bo[0], bo[1]});
-        mma_16816<T>(acc_dp[2 * j + 1], a, {bo[2], bo[3]});
-      }
-    }
-
-    // P^T = exp2(S^T * scale_log2 - lse * log2e), dS^T = P^T * (dP^T - delta), elementwise.
-    // Fragment element e of n8 tile j: key kw + g + 8 * (e / 2), query j * 8 + 2 * tq + e % 2.
-    // lse == -inf (no visible key) becomes +inf so that P = 0.
     const float* tLse = sLse + buf * M;
     const float* tDelta = sDelta + buf * M;
-#pragma unroll
-    for (int j = 0; j < M / 8; ++j) {
-      const int qc = j * 8 + 2 * tq;
-      const float2 lse2 = *reinterpret_cast<const float2*>(&tLse[qc]);
-      const float2 dl2 = *reinterpret_cast<const float2*>(&tDelta[qc]);
-      const float lse_log2[2] = {lse2.x == -INFINITY ? INFINITY : lse2.x * 1.4426950408889634f,
-                                 lse2.y == -INFINITY ? INFINITY : lse2.y * 1.4426950408889634f};
-      const float dl[2] = {dl2.x, dl2.y};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float pv = exp2_fast(acc_s[j][e] * p.scale_log2 - lse_log2[e % 2]);
-        float ds = pv * (acc_dp[j][e] - dl[e % 2]);
-        if (need_mask) {
-          const int key = n0 + kw + g + 8 * (e / 2), query = m0 + qc + e % 2;
-          const bool vis = key < seq_s && query < seq_t && (!kCausal || key <= query);
-          pv = vis ? pv : 0.f;
-          ds = vis ? ds : 0.f;
-        }
-        acc_s[j][e] = pv;
-        acc_dp[j][e] = ds;
-      }
-    }
-    // C fragments of n8 tiles 2kk, 2kk+1 are the A fragment of k16 step kk.
-    uint32_t rP[M / 16][4], rdS[M / 16][4];  // (16, M) as T
-#pragma unroll
-    for (int kk = 0; kk < M / 16; ++kk) {
-      rP[kk][0] = pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-      rP[kk][1] = pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-      rP[kk][2] = pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-      rP[kk][3] = pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-      rdS[kk][0] = pack2<T>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
-      rdS[kk][1] = pack2<T>(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
-      rdS[kk][2] = pack2<T>(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
-      rdS[kk][3] = pack2<T>(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
-    }
-    // dS^T -> sdS (N, M) for the dQ mma, which contracts over all warps' keys.
-#pragma unroll
-    for (int kk = 0; kk < M / 16; ++kk) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int qc = (2 * kk + h) * 8 + 2 * tq;
-        *reinterpret_cast<uint32_t*>(&sdS[swz<M>(kw + g, qc)]) = rdS[kk][2 * h];
-        *reinterpret_cast<uint32_t*>(&sdS[swz<M>(kw + g + 8, qc)]) = rdS[kk][2 * h + 1];
-      }
-    }
 
-    // dV += P^T dO: (16, D); k runs over the M queries, B = dO from (M, D) storage (.trans).
+    // The M queries go in sub-blocks of kSubM: S^T and dP^T of one sub-block (kSubM fp32
+    // registers) are live next to the dK, dV accumulators, never those of the whole tile.
+#pragma unroll 1
+    for (int sub = 0; sub < M / kSubM; ++sub) {
+      const int ms = sub * kSubM;  // first query of the sub-block in the tile
+      // S^T = K Q^T: (16, kSubM) per warp; A = K rows kw.., B = Q^T from (M, D) storage.
+      float acc_s[kSubM / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < M / 16; ++kk) {
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(a, aKw + offA(kk * 16));
 #pragma unroll
-      for (int j = 0; j < D / 16; ++j) {
-        uint32_t bo[4];
-        ldmatrix_x4_trans(bo, &tdO[swz<D>(kk * 16 + lm_row_a(lane), j * 16 + lm_col_a(lane))]);
-        mma_16816<T>(acc_dv[2 * j], rP[kk], {bo[0], bo[1]});
-        mma_16816<T>(acc_dv[2 * j + 1], rP[kk], {bo[2], bo[3]});
+        for (int j = 0; j < kSubM / 16; ++j) {
+          uint32_t bq[4];
+          ldsm_x4(bq, aQt + (ms + j * 16) * D * 2 + offB(kk * 16));
+          mma_16816<T>(acc_s[2 * j], a, {bq[0], bq[1]});
+          mma_16816<T>(acc_s[2 * j + 1], a, {bq[2], bq[3]});
+        }
       }
-    }
-    // dK += dS^T Q: (16, D).
+      // dP^T = V dO^T: (16, kSubM) per warp.
+      float acc_dp[kSubM / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < M / 16; ++kk) {
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(a, aVw + offA(kk * 16));
 #pragma unroll
-      for (int j = 0; j < D / 16; ++j) {
-        uint32_t bq[4];
-        ldmatrix_x4_trans(bq, &tQ[swz<D>(kk * 16 + lm_row_a(lane), j * 16 + lm_col_a(lane))]);
-        mma_16816<T>(acc_dk[2 * j], rdS[kk], {bq[0], bq[1]});
-        mma_16816<T>(acc_dk[2 * j + 1], rdS[kk], {bq[2], bq[3]});
+        for (int j = 0; j < kSubM / 16; ++j) {
+          uint32_t bo[4];
+          ldsm_x4(bo, adOt + (ms + j * 16) * D * 2 + offB(kk * 16));
+          mma_16816<T>(acc_dp[2 * j], a, {bo[0], bo[1]});
+          mma_16816<T>(acc_dp[2 * j + 1], a, {bo[2], bo[3]});
+        }
+      }
+
+      // P^T = exp2(S^T * scale_log2 - lse * log2e), dS^T = P^T * (dP^T - delta), elementwise.
+      // Element e of n8 tile j: key kw + g + 8 * (e / 2), query ms + j * 8 + 2 * tq + e % 2.
+      // lse == -inf (no visible key) becomes +inf so that P = 0.
+#pragma unroll
+      for (int j = 0; j < kSubM / 8; ++j) {
+        const int qc = ms + j * 8 + 2 * tq;
+        const float2 lse2 = *reinterpret_cast<const float2*>(&tLse[qc]);
+        const float2 dl2 = *reinterpret_cast<const float2*>(&tDelta[qc]);
+        const float lse_log2[2] = {lse2.x == -INFINITY ? INFINITY : lse2.x * kLog2e,
+                                   lse2.y == -INFINITY ? INFINITY : lse2.y * kLog2e};
+        const float dl[2] = {dl2.x, dl2.y};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float pv = exp2_fast(acc_s[j][e] * p.scale_log2 - lse_log2[e % 2]);
+          float ds = pv * (acc_dp[j][e] - dl[e % 2]);
+          if (need_mask) {
+            const int key = n0 + kw + g + 8 * (e / 2), query = m0 + qc + e % 2;
+            const bool vis = key < seq_s && query < seq_t && (!kCausal || key <= query);
+            pv = vis ? pv : 0.f;
+            ds = vis ? ds : 0.f;
+          }
+          acc_s[j][e] = pv;
+          acc_dp[j][e] = ds;
+        }
+      }
+      // C fragments of n8 tiles 2kk, 2kk+1 are the A fragment of k16 step kk.
+      uint32_t rP[kSubM / 16][4], rdS[kSubM / 16][4];  // (16, kSubM) as T
+#pragma unroll
+      for (int kk = 0; kk < kSubM / 16; ++kk) {
+        rP[kk][0] = pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+        rP[kk][1] = pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+        rP[kk][2] = pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+        rP[kk][3] = pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+        rdS[kk][0] = pack2<T>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
+        rdS[kk][1] = pack2<T>(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
+        rdS[kk][2] = pack2<T>(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
+        rdS[kk][3] = pack2<T>(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
+      }
+      // dS^T -> sdS (N, M) for the dQ mma, which contracts over all warps' keys; rows kw + g
+      // and kw + g + 8 share the swizzle g.
+#pragma unroll
+      for (int c = 0; c < kSubM / 8; ++c) {
+        const uint32_t at = adS_rows + ((((ms / 8 + c) ^ g) << 3) + 2 * tq) * 2;
+        sts_u32(at, rdS[c / 2][2 * (c % 2)]);
+        sts_u32(at + 8 * M * 2, rdS[c / 2][2 * (c % 2) + 1]);
+      }
+
+      // dV += P^T dO: (16, D); k runs over the sub-block's queries, B = dO (.trans).
+#pragma unroll
+      for (int kk = 0; kk < kSubM / 16; ++kk) {
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) {
+          uint32_t bo[4];
+          ldsm_x4_trans(bo, adOt + (ms + kk * 16) * D * 2 + offA(j * 16));
+          mma_16816<T>(acc_dv[2 * j], rP[kk], {bo[0], bo[1]});
+          mma_16816<T>(acc_dv[2 * j + 1], rP[kk], {bo[2], bo[3]});
+        }
+      }
+      // dK += dS^T Q: (16, D).
+#pragma unroll
+      for (int kk = 0; kk < kSubM / 16; ++kk) {
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) {
+          uint32_t bq[4];
+          ldsm_x4_trans(bq, aQt + (ms + kk * 16) * D * 2 + offA(j * 16));
+          mma_16816<T>(acc_dk[2 * j], rdS[kk], {bq[0], bq[1]});
+          mma_16816<T>(acc_dk[2 * j + 1], rdS[kk], {bq[2], bq[3]});
+        }
       }
     }
     __syncthreads();  // sdS complete
 
-    // dQ += dS K: (M, D) split over warps as (16, kColsdQ) tiles; k runs over the N keys,
-    // A = dS from (N, M) storage (.trans), B = K from (N, D) storage (.trans).
+    // dQ += dS K: (16, kColsdQ) per warp; k runs over the N keys, A = dS from (N, M) storage
+    // (.trans), B = K from (N, D) storage (.trans).
     {
-      constexpr int kCols = Cfg::kColsdQ;
-      const int wm = warp % Cfg::kWarpsMdQ * 16, wd = warp / Cfg::kWarpsMdQ * kCols;
-      float acc_dq[kCols / 8][4] = {};
+      float acc_dq[kColsdQ / 8][4] = {};
 #pragma unroll
       for (int kk = 0; kk < N / 16; ++kk) {
         uint32_t a[4];
-        ldmatrix_x4_trans(a, &sdS[swz<M>(kk * 16 + lm_row_b(lane), wm + lm_col_b(lane))]);
+        ldsm_x4_trans(a, adS_warp + kk * 16 * M * 2);
 #pragma unroll
-        for (int j = 0; j < kCols / 16; ++j) {
+        for (int j = 0; j < kColsdQ / 16; ++j) {
           uint32_t bk4[4];
-          ldmatrix_x4_trans(bk4,
-                            &sK[swz<D>(kk * 16 + lm_row_a(lane), wd + j * 16 + lm_col_a(lane))]);
+          ldsm_x4_trans(bk4, aK + kk * 16 * D * 2 + wd * 2 + offA(j * 16));
           mma_16816<T>(acc_dq[2 * j], a, {bk4[0], bk4[1]});
           mma_16816<T>(acc_dq[2 * j + 1], a, {bk4[2], bk4[3]});
         }
@@ -390,7 +455,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       float* dqa = p.dq_accum + ((b * p.t + q0) * p.n + n) * D + wd + 2 * tq;
       const int64_t row8 = 8 * p.n * D;  // 8 query rows further
 #pragma unroll
-      for (int j = 0; j < kCols / 8; ++j) {
+      for (int j = 0; j < kColsdQ / 8; ++j) {
         if (q0 < seq_t) atomic_add2(dqa + j * 8, acc_dq[j][0], acc_dq[j][1]);
         if (q0 + 8 < seq_t) atomic_add2(dqa + row8 + j * 8, acc_dq[j][2], acc_dq[j][3]);
       }
@@ -418,8 +483,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kh * p.dv_head_stride +
            n0 * p.dv_row_stride;  // (N, D)
 #pragma unroll
-  for (int i = tid; i < N * kChunks; i += kThreads) {
-    const int row = i / kChunks, col = i % kChunks * 8;
+  for (int k = 0; k < N * kChunks / kThreads; ++k) {
+    const int i = tid + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
     if (n0 + row < seq_s) {
       *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + col) =
           *reinterpret_cast<const uint4*>(&sK[swz<D>(row, col)]);
