@@ -27,17 +27,20 @@ namespace bwd {
 //  * S^T and dP^T come out of the mma in the layout the dV and dK mmas take as their A operand:
 //    P and dS reach dV, dK straight from registers (only dS^T goes through smem, for dQ);
 //  * the warp's dK, dV accumulators (2 * 16 * H fp32) are private, no cross-warp reduction.
-// fp32 accumulators per thread: dK + dV = 2 * 16 * H / 32 = H, S^T + dP^T = kBlockM. With ~60
-// registers for addresses and fragments, the budget of 255 allows H + kBlockM <= 192:
-//  * H = 128: kBlockM = 64 (as FA2), smem (2*128*128 + 4*64*128 + 128*64) * 2 B + 1 KB = 145 KB;
-//  * H = 64: kBlockM = 128, halving the barriers and K/V fragment reloads per FLOP,
-//    smem (2*128*64 + 4*128*64 + 128*128) * 2 B + 2 KB = 130 KB.
-// Both fit the A100 (163 KB) and H100 (227 KB); one CTA of 8 warps per SM.
+// fp32 accumulators per thread: dK + dV = 2 * 16 * H / 32 = H, plus S^T + dP^T of a sub-block of
+// kSubM queries = kSubM: 160 at H = 128 fits 255 registers with the fragments and addresses
+// (whole 64-query tiles, 192, spilled, and so did kSubM = 64 at H = 64 on sm80). kBlockM is then
+// bound by shared memory:
+//  * H = 128: kBlockM = 64 (as FA2): (2*128*128 + 4*64*128 + 128*64) * 2 B + 1 KB = 145 KB;
+//    128 would need 226 KB, over the A100's 163 KB;
+//  * H = 64: kBlockM = 128, halving the barriers per FLOP:
+//    (2*128*64 + 4*128*64 + 128*128) * 2 B + 2 KB = 130 KB.
+// One CTA of 8 warps per SM on the A100 and the H100 (227 KB).
 template <int kHeadDim>
 struct Tiles {
   static constexpr int kBlockN = 128;                     // keys per CTA
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // queries per step
-  static constexpr int kSubM = 32;  // queries per S^T/dP^T sub-block (registers, see below)
+  static constexpr int kSubM = 32;  // queries per S^T/dP^T sub-block (registers, see above)
   static constexpr int kWarps = kBlockN / 16;
   static constexpr int kThreads = kWarps * 32;
   // dQ = dS K is a (kBlockM, H) tile: warps split it kWarpsMdQ x kWarpsDdQ, 16 rows each.
@@ -45,7 +48,7 @@ struct Tiles {
   static constexpr int kWarpsDdQ = kWarps / kWarpsMdQ;
   static constexpr int kColsdQ = kHeadDim / kWarpsDdQ;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 only");
-  static_assert(kWarps % kWarpsMdQ == 0 && kColsdQ % 16 == 0, "dQ warp layout");
+  static_assert(kWarps % kWarpsMdQ == 0 && kColsdQ % 64 == 0, "dQ warp layout");
   static_assert(kBlockM * kHeadDim / 8 % kThreads == 0 && kBlockM <= kThreads, "copy loops");
 
   static constexpr int kSmemBytes =
