@@ -127,3 +127,14 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 }
 
 }  // namespace jaxflash::cuda
+
+// --- Added for the backward kernel (append-only) ---
+namespace jaxflash::cuda {
+
+// 4-byte global->shared copy (fp32 row statistics, not 16-byte aligned); zero-fills when !pred.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pred) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(pred ? 4 : 0));
+}
+
+}  // namespace jaxflash::cuda
