@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: environment, then the stages named as arguments
+# (tests, main, bench, bench-quick), each logged under $OUT.
+# Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
+# jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jaxflash-out}
+COMMIT=${COMMIT:-unknown}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/env.txt"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/env.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=$PWD:/tmp/site
+if ! ls jaxflash/_jaxflash_ext*.so >/dev/null 2>&1; then
+  CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLASH_CUDA_ARCHS=90a \
+    pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+
+for stage in "$@"; do
+  echo "=== $stage"
+  case $stage in
+    tests) timeout 420 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    main) timeout 300 python3 -m jaxflash 2>&1 | tee "$OUT/main.log" | grep -v "\]" ;;
+    bench-quick) timeout 300 python3 benchmarks/bench.py --dims 128 --seqlens 4096 --out "$OUT" \
+        --commit "$COMMIT" --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
+    bench) timeout 540 python3 benchmarks/bench.py --out "$OUT" --commit "$COMMIT" \
+        --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
