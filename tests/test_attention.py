@@ -68,11 +68,12 @@ def test_unbatched(impl):
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_matches_jax_nn(impl):
   """Drop-in: same arguments, same result as jax.nn.dot_product_attention (GQA, causal)."""
-  q, k, v = random_qkv(5, 2, 64, 64, 8, 2, 64, jnp.float32)
+  dtype = jnp.bfloat16 if impl == "cuda" else jnp.float32
+  q, k, v = random_qkv(5, 2, 64, 64, 8, 2, 64, dtype)
   with on_device(impl):
     out = jaxflash.attention(q, k, v, is_causal=True, scale=0.2, implementation=impl)
-  ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.2)
-  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+  nn = lambda *xs: jax.nn.dot_product_attention(*xs, is_causal=True, scale=0.2)
+  assert_accurate("out", out, nn(*(x.astype(jnp.float32) for x in (q, k, v))), nn(q, k, v), dtype)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
