@@ -214,6 +214,8 @@ def main(argv=None):
   parser.add_argument("--bench-steps", type=int, default=10)
   args = parser.parse_args(argv)
   cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+  if args.attention == "cudnn" and not args.benchmark and jax.devices()[0].platform != "gpu":
+    parser.error("--attention cudnn needs a CUDA GPU")
   if args.benchmark:
     benchmark(cfg, args.bench_steps)
     return
