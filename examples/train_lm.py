@@ -11,6 +11,8 @@ parameters and batches are identical and the loss curves can be compared directl
   jaxflash  jaxflash.flax.dot_product_attention (the causal kernel)
   flax      flax.nnx.dot_product_attention (Flax's default; XLA through jax.nn)
   cudnn     jax.nn.dot_product_attention(implementation='cudnn') (GPU only)
+In float32 the per-step losses of jaxflash and flax agree within 1e-4 over the first 20 steps
+of a tiny config (checked by tests/test_flax.py; the difference seen is about 1e-6).
 The optimiser is a few lines of Adam, so the example needs nothing beyond jax and flax.
 """
 
