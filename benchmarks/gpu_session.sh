@@ -28,6 +28,14 @@ for stage in "$@"; do
         --commit "$COMMIT" --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
     bench) timeout 540 python3 benchmarks/bench.py --out "$OUT" --commit "$COMMIT" \
         --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
+    profile) timeout 300 ncu --kernel-name regex:'flash_fwd_kernel|main_kernel' --launch-skip 2 \
+        --launch-count 2 --set full -o "$OUT/prof" python3 benchmarks/profile_kernels.py >"$OUT/ncu.log" 2>&1
+        ncu --import "$OUT/prof.ncu-rep" --page details > "$OUT/prof.txt" 2>&1
+        grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Shared Memory Configuration Size|L1/TEX Hit|Bank|Warp Cycles Per Issued|Executed Ipc A" "$OUT/prof.txt" | head -40
+        rm -f "$OUT/prof.ncu-rep" ;;
+    sanitize) for tool in memcheck racecheck; do
+        timeout 240 compute-sanitizer --tool $tool --kernel-name regex:'flash|main_kernel|preprocess|convert' \
+          python3 benchmarks/profile_kernels.py --small --reps 1 2>&1 | tail -4 | tee -a "$OUT/sanitize.log"; done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
