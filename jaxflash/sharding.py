@@ -211,6 +211,10 @@ def _chunked(x, num_shards, axis, name):
   return n // (2 * num_shards)
 
 
+def _index(x, i, axis):
+  return jax.lax.index_in_dim(x, i, axis, keepdims=False)
+
+
 def zigzag_permute(x, num_shards, axis=1):
   """Reorders a global sequence axis so that an even split gives shard i chunks i, 2P-1-i.
 
@@ -220,7 +224,7 @@ def zigzag_permute(x, num_shards, axis=1):
   axis = axis % x.ndim
   c = _chunked(x, num_shards, axis, "zigzag_permute")
   x = x.reshape(x.shape[:axis] + (2, num_shards, c) + x.shape[axis + 1:])
-  first, second = jnp.take(x, 0, axis), jnp.flip(jnp.take(x, 1, axis), axis)
+  first, second = _index(x, 0, axis), jnp.flip(_index(x, 1, axis), axis)
   # (P, 2, c): shard i gets chunk i of the first half and chunk P-1-i of the second half
   x = jnp.stack([first, second], axis=axis + 1)
   return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 3:])
@@ -231,7 +235,7 @@ def zigzag_unpermute(x, num_shards, axis=1):
   axis = axis % x.ndim
   c = _chunked(x, num_shards, axis, "zigzag_unpermute")
   x = x.reshape(x.shape[:axis] + (num_shards, 2, c) + x.shape[axis + 1:])
-  first, second = jnp.take(x, 0, axis + 1), jnp.flip(jnp.take(x, 1, axis + 1), axis)
+  first, second = _index(x, 0, axis + 1), jnp.flip(_index(x, 1, axis + 1), axis)
   x = jnp.stack([first, second], axis=axis)
   return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 3:])
 
