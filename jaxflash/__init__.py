@@ -2,6 +2,8 @@
 
 from jaxflash.attention import attention
 from jaxflash.reference import attention_reference
+from jaxflash.sharding import ring_attention, zigzag_permute, zigzag_unpermute
 
-__all__ = ["attention", "attention_reference"]
+__all__ = ["attention", "attention_reference", "ring_attention", "zigzag_permute",
+           "zigzag_unpermute"]
 __version__ = "0.1.0"

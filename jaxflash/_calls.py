@@ -12,6 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# Per operand and result of each call, one letter per axis (jaxflash.sharding): B batch, N query
+# heads, K kv heads may be split over devices; every other axis is needed whole. A new operand
+# is one more entry.
+FWD_AXES = (("BTNH", "BSKH", "BSKV"),                             # q, k, v
+            ("BTNV", "BNT"))                                      # out, lse
+BWD_AXES = (("BTNH", "BSKH", "BSKV", "BTNV", "BNT", "BTNV", "BNT"),  # q, k, v, out, lse, dout, dlse
+            ("BTNH", "BSKH", "BSKV"))                             # dq, dk, dv
+
+
 def _like(x, shape, dtype):
   return jax.typeof(x).update(shape=tuple(shape), dtype=jnp.dtype(dtype))
 

@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxflash import _calls, _ffi
+from jaxflash import _calls, _ffi, sharding
 from jaxflash.reference import attention_reference
 
 IMPLEMENTATIONS = (None, "xla", "cpu", "cuda")
@@ -76,6 +76,12 @@ def _cuda_support(query, value) -> str | None:
 
 
 def _run_fwd(q, k, v, cfg: _Config):
+  # per shard of batch and heads under jit: no collectives
+  local = functools.partial(_fwd_local, cfg=cfg)
+  return sharding.shard_local(local, *_calls.FWD_AXES)(q, k, v)
+
+
+def _fwd_local(q, k, v, cfg: _Config):
   def kernel(platform):
     impl = getattr(cfg, platform)
     if impl == "xla":
@@ -93,6 +99,11 @@ def _run_fwd(q, k, v, cfg: _Config):
 
 
 def _run_bwd(q, k, v, out, lse, dout, dlse, cfg: _Config):
+  local = functools.partial(_bwd_local, cfg=cfg)
+  return sharding.shard_local(local, *_calls.BWD_AXES)(q, k, v, out, lse, dout, dlse)
+
+
+def _bwd_local(q, k, v, out, lse, dout, dlse, cfg: _Config):
   def reference_vjp(q, k, v, out, lse, dout, dlse):
     ref = lambda q, k, v: attention_reference(q, k, v, scale=cfg.scale, is_causal=cfg.is_causal)
     _, vjp = jax.vjp(ref, q, k, v)

@@ -1,0 +1,203 @@
+"""Sharding: batch/head sharding under jit (no collectives), shard_map, pmap, ring attention.
+
+Runs on the 8 fake CPU devices that conftest.py asks for.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxflash
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
+
+
+def _inputs(seed, B, T, N, K, H, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
+  k = jax.random.normal(ks[1], (B, T, K, H), jnp.float32)
+  v = jax.random.normal(ks[2], (B, T, K, H), jnp.float32)
+  do = jax.random.normal(ks[3], (B, T, N, H), jnp.float32)
+  return [np.asarray(x.astype(dtype)) for x in (q, k, v, do)]
+
+
+def _ref_and_grads(q, k, v, do, dlse_scale, is_causal, dtype=None):
+  """Reference out, lse and (dq, dk, dv) for the loss <out, do> + dlse_scale * sum(lse)."""
+  cast = (lambda x: jnp.asarray(x, dtype)) if dtype else jnp.asarray
+  def f(q, k, v):
+    return jaxflash.attention_reference(q, k, v, is_causal=is_causal)
+  (out, lse), vjp = jax.vjp(f, *(cast(x) for x in (q, k, v)))
+  grads = vjp((cast(do), jnp.full_like(lse, dlse_scale)))
+  return [np.asarray(x, np.float32) for x in (out, lse, *grads)]
+
+
+def _check(got, want32, want_low=None, atol=2e-5):
+  """The accuracy rule: error <= 2x the reference's own error in the input dtype, + atol."""
+  for name, g, w, l in zip(("out", "lse", "dq", "dk", "dv"), got, want32,
+                           want_low or [None] * len(want32)):
+    err = np.max(np.abs(np.asarray(g, np.float32) - w))
+    bound = atol + (0.0 if l is None else 2 * np.max(np.abs(l - w)))
+    assert err <= bound, f"{name}: error {err} > {bound}"
+
+
+def _collectives(compiled_text):
+  return [c for c in COLLECTIVES if c in compiled_text]
+
+
+# --- batch / head sharding under jit ---------------------------------------------------------
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+@pytest.mark.parametrize("spec", [P("b", None, "h", None), P(None, None, "h"), P("b")], ids=str)
+def test_batch_head_sharding_has_no_collectives(axis_type, spec):
+  mesh = jax.make_mesh((2, 4), ("b", "h"), axis_types=(axis_type,) * 2)
+  q, k, v, do = _inputs(0, 4, 24, 8, 4, 32)  # GQA: 8 query heads over 4 kv heads
+  want = _ref_and_grads(q, k, v, do, 0.5, True)
+  sh = NamedSharding(mesh, spec)
+  q, k, v, do = (jax.device_put(x, sh) for x in (q, k, v, do))
+
+  def loss(q, k, v, do):
+    out, lse = jaxflash.attention(q, k, v, is_causal=True, return_residual=True)
+    return jnp.sum(out * do) + 0.5 * jnp.sum(lse)
+
+  fwd = jax.jit(functools.partial(jaxflash.attention, is_causal=True, return_residual=True))
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  assert _collectives(fwd.lower(q, k, v).compile().as_text()) == []
+  assert _collectives(grad.lower(q, k, v, do).compile().as_text()) == []
+  out, lse = fwd(q, k, v)
+  grads = grad(q, k, v, do)
+  full = lambda p: tuple(p) + (None,) * (4 - len(p))
+  for x in (out, *grads):
+    assert full(x.sharding.spec) == full(spec)
+  _check([out, lse, *grads], want)
+
+
+@pytest.mark.parametrize("spec", [P(None, "h"), P()], ids=["sequence", "replicated"])
+def test_sequence_sharded_or_replicated_inputs_stay_correct(spec):
+  mesh = jax.make_mesh((8,), ("h",), axis_types=(AxisType.Auto,))
+  q, k, v, do = _inputs(1, 2, 32, 4, 2, 16)
+  want = _ref_and_grads(q, k, v, do, 0.0, True)
+  sh = NamedSharding(mesh, spec)
+  q, k, v, do = (jax.device_put(x, sh) for x in (q, k, v, do))
+  loss = lambda q, k, v, do: jnp.sum(jaxflash.attention(q, k, v, is_causal=True) * do)
+  out = jax.jit(functools.partial(jaxflash.attention, is_causal=True))(q, k, v)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, do)
+  _check([out, want[1], *grads], want)
+
+
+def test_inside_shard_map_grads_are_per_shard():
+  # The output types keep the varying axes: no spurious psum in the gradients.
+  mesh = jax.make_mesh((4,), ("b",), axis_types=(AxisType.Auto,))
+  q, k, v, do = _inputs(2, 4, 16, 4, 2, 16)
+  want = _ref_and_grads(q, k, v, do, 0.0, False)
+  attn = jax.shard_map(jaxflash.attention, mesh=mesh, in_specs=P("b"), out_specs=P("b"))
+  loss = lambda q, k, v: jnp.sum(attn(q, k, v) * do)
+  out = jax.jit(attn)(q, k, v)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  _check([out, want[1], *grads], want)
+
+
+def test_pmap_with_gqa():
+  q, k, v, do = _inputs(3, 4, 16, 4, 2, 16)
+  want = _ref_and_grads(q, k, v, do, 0.0, True)
+  one = lambda x: x[None]
+  f = jax.pmap(lambda q, k, v: jaxflash.attention(one(q), one(k), one(v), is_causal=True)[0])
+  g = jax.pmap(jax.grad(lambda q, k, v, do: jnp.sum(
+      jaxflash.attention(one(q), one(k), one(v), is_causal=True)[0] * do), argnums=(0, 1, 2)))
+  _check([f(q, k, v), want[1], *g(q, k, v, do)], want)
+
+
+# --- ring attention ------------------------------------------------------------------------
+
+def _ring(mesh, layout, is_causal, batch_axis=None, **kw):
+  attn = functools.partial(jaxflash.ring_attention, axis_name="sp", is_causal=is_causal,
+                           layout=layout, return_residual=True, **kw)
+  tok = P(batch_axis, "sp")
+  return jax.shard_map(attn, mesh=mesh, in_specs=tok, out_specs=(tok, P(batch_axis, None, "sp")))
+
+
+def _ring_run(ring, q, k, v, do, num_shards, layout, dlse_scale):
+  """Runs ring attention on token-order host arrays; returns out, lse, grads in token order."""
+  if layout == "zigzag":
+    perm = lambda x, axis=1: np.asarray(jaxflash.zigzag_permute(x, num_shards, axis))
+    unperm = lambda x, axis=1: np.asarray(jaxflash.zigzag_unpermute(x, num_shards, axis))
+  else:
+    perm = unperm = lambda x, axis=1: np.asarray(x)
+
+  do = perm(do)
+
+  def loss(q, k, v):
+    out, lse = ring(q, k, v)
+    return jnp.sum(out.astype(jnp.float32) * do) + dlse_scale * jnp.sum(lse), (out, lse)
+
+  grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
+      perm(q), perm(k), perm(v))
+  return [unperm(out), unperm(lse, 2)] + [unperm(g) for g in grads]
+
+
+@pytest.mark.parametrize("num_shards", [2, 4, 8])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_ring_matches_reference(num_shards, is_causal):
+  mesh = jax.make_mesh((num_shards,), ("sp",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:num_shards])
+  q, k, v, do = _inputs(10 + num_shards, 2, 8 * num_shards, 4, 2, 16)  # GQA 4 over 2
+  want = _ref_and_grads(q, k, v, do, 0.25, is_causal)
+  got = _ring_run(_ring(mesh, "zigzag", is_causal), q, k, v, do, num_shards, "zigzag", 0.25)
+  _check(got, want)
+
+
+def test_ring_contiguous_layout_and_batch_sharding():
+  mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(AxisType.Auto,) * 2)
+  q, k, v, do = _inputs(20, 2, 32, 2, 2, 16)
+  want = _ref_and_grads(q, k, v, do, 0.0, True)
+  got = _ring_run(_ring(mesh, "contiguous", True, batch_axis="dp"), q, k, v, do, 4,
+                  "contiguous", 0.0)
+  _check(got, want)
+
+
+def test_ring_bfloat16_accuracy():
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  q, k, v, do = _inputs(30, 1, 64, 4, 1, 32, jnp.bfloat16)
+  want32 = _ref_and_grads(q, k, v, do, 0.0, True, jnp.float32)
+  want_low = _ref_and_grads(q, k, v, do, 0.0, True)
+  got = _ring_run(_ring(mesh, "zigzag", True), q, k, v, do, 4, "zigzag", 0.0)
+  _check(got, want32, want_low, atol=1e-2)
+
+
+def test_ring_communicates_only_by_ppermute():
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  q, k, v, do = _inputs(40, 1, 32, 2, 2, 16)
+  ring = _ring(mesh, "zigzag", True)
+  loss = lambda q, k, v: jnp.sum(ring(q, k, v)[0] * do)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+  assert set(_collectives(text)) == {"collective-permute"}
+  assert "jaxflash_fwd_cpu" in text and "jaxflash_bwd_cpu" in text
+
+
+def test_zigzag_round_trip_and_balance():
+  x = np.arange(2 * 32 * 3).reshape(2, 32, 3)
+  for n in (1, 2, 4, 8):
+    y = np.asarray(jaxflash.zigzag_permute(x, n))
+    np.testing.assert_array_equal(np.asarray(jaxflash.zigzag_unpermute(y, n)), x)
+    # shard i holds chunks i and 2n-1-i: every shard's positions sum to the same total
+    shards = y[0, :, 0].reshape(n, -1) // 3
+    assert len(set(shards.sum(axis=1).tolist())) == 1
+  with pytest.raises(ValueError, match="multiple of 2 \\* num_shards"):
+    jaxflash.zigzag_permute(x, 3)
+
+
+def test_ring_rejects_what_it_cannot_do():
+  mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+  q, k, v, _ = _inputs(50, 1, 8, 2, 2, 16)
+  ids = np.zeros((1, 8), np.int32)
+  seg = jax.shard_map(lambda q, k, v, s: jaxflash.ring_attention(
+      q, k, v, axis_name="sp", q_segment_ids=s, kv_segment_ids=s), mesh=mesh,
+      in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+  with pytest.raises(NotImplementedError, match="q_segment_ids"):
+    seg(q, k, v, ids)
+  with pytest.raises(ValueError, match="layout"):
+    jax.shard_map(functools.partial(jaxflash.ring_attention, axis_name="sp", layout="striped"),
+                  mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
