@@ -361,3 +361,76 @@ def _resolve(query, value, implementation, scale, is_causal, variants=()) -> _Co
   cuda = "xla" if cuda_reason else "cuda"
   return _Config(scale=scale, is_causal=is_causal, cpu=cpu, cuda=cuda,
                  pinned=implementation)
+
+
+def _packed_segment_ids(cu_seqlens, total, pad_id):
+  """(total,) int32: the sequence index of each packed token; pad_id past cu_seqlens[-1]."""
+  t = jnp.arange(total, dtype=cu_seqlens.dtype)
+  seg = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
+  live = (t >= cu_seqlens[0]) & (t < cu_seqlens[-1])
+  return jnp.where(live, seg, pad_id)
+
+
+def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
+                     max_seqlen_k=None, *, scale=None, is_causal=False, local_window_size=None,
+                     logits_soft_cap=None, alibi_slopes=None, dropout_rate=0.0,
+                     dropout_rng=None, deterministic_backward=False, implementation=None,
+                     return_residual=False):
+  """Attention over packed variable-length sequences, as FlashAttention's varlen API.
+
+  Sequence i holds query tokens [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and key tokens
+  [cu_seqlens_k[i], cu_seqlens_k[i + 1]). It runs as one batch element of `attention` with
+  segment ids derived from cu_seqlens (no copy of q, k, v; the kernels skip tiles across
+  sequences). Tokens past cu_seqlens[-1] attend nothing (out 0, lse -inf).
+
+  Args:
+    query: (Tq, N, H) packed queries; key: (Tk, K, H); value: (Tk, K, Hv).
+    cu_seqlens_q: (num_seqs + 1,) int32, non-decreasing, starting at 0.
+    cu_seqlens_k: same for keys; None means self-attention (cu_seqlens_q). is_causal,
+      local_window_size and alibi_slopes compare positions inside each sequence, which the
+      packed layout gives only for self-attention: they require cu_seqlens_k None or the
+      same array as cu_seqlens_q.
+    max_seqlen_q, max_seqlen_k: optional static upper bounds of the sequence lengths, as in
+      FlashAttention; checked against the packed lengths. The segment-id mapping does not
+      need them.
+    Other arguments: as `attention` (alibi_slopes of shape (N,)).
+
+  Returns:
+    out (Tq, N, Hv); and lse (N, Tq) when return_residual.
+  """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim != 3:
+      raise ValueError(f"attention_varlen: {name} must be packed (total_tokens, heads, dim), "
+                       f"got shape {x.shape}")
+  self_attention = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+  cu_seqlens_q = jnp.asarray(cu_seqlens_q)
+  cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else jnp.asarray(cu_seqlens_k)
+  for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    if cu.ndim != 1 or cu.shape[0] < 2 or cu.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32 of shape (num_seqs + 1,), got {cu.dtype} "
+                       f"{cu.shape}")
+  if cu_seqlens_q.shape != cu_seqlens_k.shape:
+    raise ValueError(f"cu_seqlens_q {cu_seqlens_q.shape} and cu_seqlens_k "
+                     f"{cu_seqlens_k.shape} must describe the same number of sequences")
+  for name, bound, total in (("max_seqlen_q", max_seqlen_q, query.shape[0]),
+                             ("max_seqlen_k", max_seqlen_k, key.shape[0])):
+    if bound is not None and not (isinstance(bound, (int, np.integer)) and 0 <= bound <= total):
+      raise ValueError(f"{name} must be None or an int in [0, {total}], got {bound!r}")
+  if not self_attention:
+    for name, on in (("is_causal", is_causal), ("local_window_size", local_window_size),
+                     ("alibi_slopes", alibi_slopes)):
+      if on is not None and on is not False:
+        raise NotImplementedError(
+            f"attention_varlen: `{name}` needs self-attention (cu_seqlens_k None or the same "
+            "array as cu_seqlens_q); for cross-attention with positions use `attention` with "
+            "padded inputs and query/key_value_seq_lengths")
+  q_ids = _packed_segment_ids(cu_seqlens_q, query.shape[0], -1)
+  kv_ids = _packed_segment_ids(cu_seqlens_k, key.shape[0], -2)
+  out, lse = attention(query[None], key[None], value[None], scale=scale, is_causal=is_causal,
+                       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                       alibi_slopes=alibi_slopes, query_segment_ids=q_ids[None],
+                       key_value_segment_ids=kv_ids[None], dropout_rate=dropout_rate,
+                       dropout_rng=dropout_rng, deterministic_backward=deterministic_backward,
+                       implementation=implementation, return_residual=True)
+  return (out[0], lse[0]) if return_residual else out[0]

@@ -158,7 +158,7 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None,
   vis = jnp.broadcast_to(vis, logits.shape)
   logits = jnp.where(vis, logits, -jnp.inf)
 
-  row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   p = jnp.exp(logits - row_max)
   denom = jnp.sum(p, axis=-1, keepdims=True)

@@ -281,3 +281,54 @@ def test_cuda_routing_of_variants(monkeypatch, kwargs, name):
   seen.clear()
   jaxflash.attention(q, k, v)
   assert seen[0].cuda == "cuda"
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("self_attention", [True, False], ids=["self_causal_window", "cross"])
+def test_varlen_matches_per_sequence(impl, self_attention):
+  """attention_varlen on packed tokens equals the reference run on each sequence alone;
+  tokens past the last sequence give out 0, lse -inf; grads match too."""
+  cu_q = np.array([0, 13, 13, 50, 61], np.int32)  # an empty sequence; 4 trailing pad tokens
+  cu_k = cu_q if self_attention else np.array([0, 30, 35, 35, 70], np.int32)
+  Tq, Tk = 65, 72
+  q, k, v = _rand(80, (Tq, N, H)), _rand(81, (Tk, K, H)), _rand(82, (Tk, K, HV))
+  dout = _rand(83, (Tq, N, HV))
+  kw = dict(is_causal=True, local_window_size=(9, 0)) if self_attention else {}
+  cu_k_arg = None if self_attention else jnp.asarray(cu_k)
+
+  def packed(q, k, v):
+    out, lse = jaxflash.attention_varlen(q, k, v, jnp.asarray(cu_q), cu_k_arg, 37, 35,
+                                         implementation=impl, return_residual=True, **kw)
+    return jnp.sum(out * dout), (out, lse)
+
+  def per_sequence(q, k, v):
+    outs, lses = [], []
+    for i in range(len(cu_q) - 1):
+      sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+      o, l = attention_reference(q[None, sq], k[None, sk], v[None, sk], **kw)
+      outs.append(o[0])
+      lses.append(l[0])
+    out = jnp.concatenate(outs + [jnp.zeros((Tq - cu_q[-1], N, HV))])
+    lse = jnp.concatenate(lses + [jnp.full((N, Tq - cu_q[-1]), -jnp.inf)], axis=1)
+    return jnp.sum(out * dout), (out, lse)
+
+  with on_device(impl):
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(packed, (0, 1, 2), has_aux=True))(
+        q, k, v)
+  (_, (r_out, r_lse)), r_grads = jax.value_and_grad(per_sequence, (0, 1, 2), has_aux=True)(
+      q, k, v)
+  assert (lse[:, cu_q[-1]:] == -jnp.inf).all() and (out[cu_q[-1]:] == 0).all()
+  for name, got, want in zip(["out", "lse", "dq", "dk", "dv"], (out, lse, *grads),
+                             (r_out, r_lse, *r_grads)):
+    assert_accurate(name, got, want, want, jnp.float32)
+
+
+def test_varlen_rejects_positions_for_cross_attention():
+  q, k, v = _rand(90, (10, N, H)), _rand(91, (12, K, H)), _rand(92, (12, K, HV))
+  with pytest.raises(NotImplementedError, match="is_causal"):
+    jaxflash.attention_varlen(q, k, v, jnp.array([0, 10], jnp.int32),
+                              jnp.array([0, 12], jnp.int32), is_causal=True)
+  with pytest.raises(ValueError, match="cu_seqlens_q"):
+    jaxflash.attention_varlen(q, k, v, jnp.array([0.0, 10.0]))
+  with pytest.raises(ValueError, match="max_seqlen_q"):
+    jaxflash.attention_varlen(q, k, v, jnp.array([0, 10], jnp.int32), max_seqlen_q=11)
