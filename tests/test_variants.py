@@ -332,3 +332,21 @@ def test_varlen_rejects_positions_for_cross_attention():
     jaxflash.attention_varlen(q, k, v, jnp.array([0.0, 10.0]))
   with pytest.raises(ValueError, match="max_seqlen_q"):
     jaxflash.attention_varlen(q, k, v, jnp.array([0, 10], jnp.int32), max_seqlen_q=11)
+
+
+@pytest.mark.parametrize("name, bad, match", [
+    ("mask", jnp.ones((B, N, T, S + 1), bool), "mask has shape"),
+    ("bias", jnp.ones((B, N, T, S), jnp.bfloat16), "bias must have q's dtype"),
+    ("query_seq_lengths", jnp.ones((B + 1,), jnp.int32), "q_lengths must be int32"),
+    ("alibi_slopes", jnp.ones((B, N), jnp.int32), "alibi_slopes must be float32"),
+])
+def test_handler_validates_variant_operands(name, bad, match):
+  """The CPU target re-validates every live variant operand and returns an error, no crash."""
+  from jaxflash import _calls
+  q, k, v = _qkv()
+  operands, attrs = _calls._variant_inputs(q, {name: bad}, None, False, None, 0.0)
+  call = jax.ffi.ffi_call("jaxflash_fwd_cpu", (jax.ShapeDtypeStruct((B, T, N, HV), q.dtype),
+                                               jax.ShapeDtypeStruct((B, N, T), jnp.float32)))
+  with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=match):
+    jax.block_until_ready(call(q, k, v, *operands, scale=np.float32(0.1), is_causal=False,
+                               **attrs))
