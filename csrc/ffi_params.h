@@ -2,6 +2,8 @@
 // CUDA handlers. Anything malformed becomes an ffi::Error, never an abort.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -109,6 +111,164 @@ inline ffi::Error make_fwd_params(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
   p.is_causal = is_causal;
+  p.batch_inner = q.dimensions()[q.dimensions().size() - 4];
+  return ffi::Error::Success();
+}
+
+// The optional operands of the variant-aware handlers, in binding order. The `has_*` attrs
+// say which are live; a dead one is a zero-element placeholder (its shape is not read).
+struct VariantArgs {
+  ffi::AnyBuffer bias;            // (..., B|1, N|1, T|1, S|1), dtype of q
+  ffi::AnyBuffer mask;            // (..., B|1, N|1, T|1, S|1) bool
+  ffi::AnyBuffer q_lengths;       // (..., B) int32
+  ffi::AnyBuffer kv_lengths;      // (..., B) int32
+  ffi::AnyBuffer q_segment_ids;   // (..., B, T) int32
+  ffi::AnyBuffer kv_segment_ids;  // (..., B, S) int32
+  ffi::AnyBuffer alibi_slopes;    // (..., B, N) float32
+  ffi::AnyBuffer dropout_seeds;   // (..., B, 2) uint32; live when dropout_rate > 0
+};
+
+struct VariantAttrs {
+  bool has_bias, has_mask, has_q_lengths, has_kv_lengths, has_segment_ids, has_alibi;
+  int64_t window_left, window_right;  // -1: unbounded
+  bool bottom_right;
+  float softcap;       // 0: off
+  float dropout_rate;  // 0: off
+};
+
+// Checks a broadcast (..., B|1, N|1, T|1, S|1) operand against q's leading dims and the
+// full (B, N, T, S), and returns its element strides (0 on broadcast dims).
+inline ffi::Error bcast_strides(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer q,
+                                const FwdParams& p, BcastStrides& st) {
+  auto d = x.dimensions();
+  auto qd = q.dimensions();
+  const size_t r = qd.size();
+  const int64_t full[4] = {p.batch_inner, p.n, p.t, p.s};
+  bool ok = d.size() == r;
+  for (size_t i = 0; ok && i + 4 < r; ++i) ok = d[i] == qd[i];
+  for (size_t i = 0; ok && i < 4; ++i) ok = d[r - 4 + i] == 1 || d[r - 4 + i] == full[i];
+  if (!ok)
+    return invalid(std::string(name) + " has shape " + dims_str(d) +
+                   ", expected q's leading dims then (B|1, N|1, T|1, S|1) with (B, N, T, S) = (" +
+                   std::to_string(full[0]) + ", " + std::to_string(full[1]) + ", " +
+                   std::to_string(full[2]) + ", " + std::to_string(full[3]) + ")");
+  const int64_t db = d[r - 4], dn = d[r - 3], dt = d[r - 2], ds = d[r - 1];
+  st.col = ds > 1 ? 1 : 0;
+  st.row = dt > 1 ? ds : 0;
+  st.head = dn > 1 ? dt * ds : 0;
+  st.batch = db > 1 ? dn * dt * ds : 0;
+  st.outer = db * dn * dt * ds;
+  return ffi::Error::Success();
+}
+
+// A per-batch operand (..., B, last) must hold b * last elements of `type` with that last dim.
+inline ffi::Error per_batch(const char* name, ffi::AnyBuffer x, ffi::DataType type,
+                            const char* type_name, int64_t b, int64_t last, bool has_last) {
+  auto d = x.dimensions();
+  const bool ok = x.element_type() == type && static_cast<int64_t>(x.element_count()) == b * last &&
+                  d.size() >= 1 && (!has_last || d[d.size() - 1] == last);
+  if (!ok)
+    return invalid(std::string(name) + " must be " + type_name + " with " + std::to_string(b) +
+                   " x " + std::to_string(last) + " elements (batch first), got " +
+                   dims_str(d));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error dead(const char* name, ffi::AnyBuffer x) {
+  if (x.element_count() != 0)
+    return invalid(std::string(name) + " is marked absent but has shape " +
+                   dims_str(x.dimensions()));
+  return ffi::Error::Success();
+}
+
+// Decodes the live variant operands and attrs into p (after make_fwd_params).
+inline ffi::Error add_variants(ffi::AnyBuffer q, const VariantArgs& a, const VariantAttrs& at,
+                               FwdParams& p) {
+  if (at.has_bias) {
+    if (a.bias.element_type() != q.element_type()) return invalid("bias must have q's dtype");
+    if (auto e = bcast_strides("bias", a.bias, q, p, p.bias_strides); e.failure()) return e;
+    p.bias = a.bias.untyped_data();
+  } else if (auto e = dead("bias", a.bias); e.failure()) {
+    return e;
+  }
+  if (at.has_mask) {
+    if (a.mask.element_type() != ffi::DataType::PRED) return invalid("mask must be bool");
+    if (auto e = bcast_strides("mask", a.mask, q, p, p.mask_strides); e.failure()) return e;
+    p.mask = static_cast<const uint8_t*>(a.mask.untyped_data());
+  } else if (auto e = dead("mask", a.mask); e.failure()) {
+    return e;
+  }
+  struct Opt {
+    bool live;
+    const char* name;
+    ffi::AnyBuffer buf;
+    ffi::DataType type;
+    const char* type_name;
+    int64_t last;
+    bool has_last;
+  };
+  const Opt opts[] = {
+      {at.has_q_lengths, "q_lengths", a.q_lengths, ffi::DataType::S32, "int32", 1, false},
+      {at.has_kv_lengths, "kv_lengths", a.kv_lengths, ffi::DataType::S32, "int32", 1, false},
+      {at.has_segment_ids, "q_segment_ids", a.q_segment_ids, ffi::DataType::S32, "int32", p.t, true},
+      {at.has_segment_ids, "kv_segment_ids", a.kv_segment_ids, ffi::DataType::S32, "int32", p.s, true},
+      {at.has_alibi, "alibi_slopes", a.alibi_slopes, ffi::DataType::F32, "float32", p.n, true},
+      {at.dropout_rate > 0.f, "dropout_seeds", a.dropout_seeds, ffi::DataType::U32, "uint32", 2, true},
+  };
+  for (const Opt& o : opts) {
+    auto e = o.live ? per_batch(o.name, o.buf, o.type, o.type_name, p.b, o.last, o.has_last)
+                    : dead(o.name, o.buf);
+    if (e.failure()) return e;
+  }
+  if (at.has_q_lengths) p.q_lengths = static_cast<const int32_t*>(a.q_lengths.untyped_data());
+  if (at.has_kv_lengths) p.kv_lengths = static_cast<const int32_t*>(a.kv_lengths.untyped_data());
+  if (at.has_segment_ids) {
+    p.q_segment_ids = static_cast<const int32_t*>(a.q_segment_ids.untyped_data());
+    p.kv_segment_ids = static_cast<const int32_t*>(a.kv_segment_ids.untyped_data());
+  }
+  if (at.has_alibi) p.alibi_slopes = static_cast<const float*>(a.alibi_slopes.untyped_data());
+  if (at.window_left < -1 || at.window_right < -1)
+    return invalid("window_left/window_right must be >= 0, or -1 for unbounded");
+  p.window_left = at.window_left;
+  p.window_right = at.window_right;
+  p.bottom_right = at.bottom_right;
+  if (!(at.softcap >= 0.f) || std::isinf(at.softcap))
+    return invalid("softcap must be finite and >= 0 (0 = off)");
+  p.softcap = at.softcap;
+  if (!(at.dropout_rate >= 0.f && at.dropout_rate < 1.f))
+    return invalid("dropout_rate must be in [0, 1)");
+  p.dropout_rate = at.dropout_rate;
+  if (at.dropout_rate > 0.f) {
+    p.dropout_seeds = static_cast<const uint32_t*>(a.dropout_seeds.untyped_data());
+    // floor(rate * 2^32) in double, exactly as jaxflash.reference.dropout_threshold
+    const double th = std::floor(static_cast<double>(at.dropout_rate) * 4294967296.0);
+    p.dropout_threshold = static_cast<uint32_t>(std::min(th, 4294967295.0));
+  }
+  return ffi::Error::Success();
+}
+
+// The variant outputs of the backward: dbias (bias's shape) and dalibi ((..., B, N) float32),
+// zero-element placeholders when bias / alibi_slopes are absent.
+inline ffi::Error add_variant_grads(const VariantArgs& a, const VariantAttrs& at,
+                                    ffi::AnyBuffer dbias, ffi::AnyBuffer dalibi, bool deterministic,
+                                    BwdParams& p) {
+  if (at.has_bias) {
+    if (dbias.element_type() != a.bias.element_type() ||
+        dims_str(dbias.dimensions()) != dims_str(a.bias.dimensions()))
+      return invalid("dbias must have bias's shape and dtype, got " + dims_str(dbias.dimensions()));
+    p.dbias = dbias.untyped_data();
+  } else if (auto e = dead("dbias", dbias); e.failure()) {
+    return e;
+  }
+  if (at.has_alibi) {
+    if (auto e = per_batch("dalibi", dalibi, ffi::DataType::F32, "float32", p.b, p.n, true);
+        e.failure())
+      return e;
+    p.dalibi = static_cast<float*>(dalibi.untyped_data());
+  } else if (auto e = dead("dalibi", dalibi); e.failure()) {
+    return e;
+  }
+  p.deterministic = deterministic;
   return ffi::Error::Success();
 }
 

@@ -9,6 +9,14 @@ namespace jaxflash {
 
 enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
+// Element strides of a broadcast (..., B|1, N|1, T|1, S|1) operand (mask, bias); 0 on a
+// broadcast dim, so the kernel reads the user's array in place and never expands it.
+// `outer` steps over leading vmap dims: flattened batch index b reads
+// (b / batch_inner) * outer + (b % batch_inner) * batch.
+struct BcastStrides {
+  int64_t outer = 0, batch = 0, head = 0, row = 0, col = 0;
+};
+
 struct FwdParams {
   const void* q;  // (B, T, N, H)
   const void* k;  // (B, S, K, H)
@@ -28,8 +36,28 @@ struct FwdParams {
 
   float scale;       // multiplies q.k before the softmax
   float scale_log2;  // scale * log2(e): kernels use exp2
-  bool is_causal;    // key s visible to query t only when s <= t
+  bool is_causal;    // key s visible to query t only when s <= t + shift[b]
   DType dtype;
+
+  // Variants; every field defaults to "off". Semantics: jaxflash/reference.py.
+  // Per-batch operands below are indexed by the flattened batch index b (vmap dims included).
+  int64_t batch_inner = 1;         // the user's B (q's dim at rank - 4); splits b for `outer`
+  const void* bias = nullptr;      // (..., B|1, N|1, T|1, S|1), dtype of q, added to the logits
+  BcastStrides bias_strides;
+  const uint8_t* mask = nullptr;   // (..., B|1, N|1, T|1, S|1) bool: nonzero = attend
+  BcastStrides mask_strides;
+  const int32_t* q_lengths = nullptr;       // (B): query rows t >= q_lengths[b] see nothing
+  const int32_t* kv_lengths = nullptr;      // (B): keys s >= kv_lengths[b] are invisible
+  const int32_t* q_segment_ids = nullptr;   // (B, T); set together with kv_segment_ids
+  const int32_t* kv_segment_ids = nullptr;  // (B, S): attend only where the ids are equal
+  const float* alibi_slopes = nullptr;      // (B, N): logits -= slope * |s - (t + shift)|
+  const uint32_t* dropout_seeds = nullptr;  // (B, 2): per-batch seeds of the dropout hash
+  int64_t window_left = -1;   // keys s >= t + shift - window_left; -1: unbounded
+  int64_t window_right = -1;  // keys s <= t + shift + window_right; -1: unbounded
+  bool bottom_right = false;  // shift[b] = kv_len[b] - q_len[b] (else 0): causal/window/alibi
+  float softcap = 0.f;        // logits = softcap * tanh(logits / softcap) when > 0
+  float dropout_rate = 0.f;   // p is dropped where hash < dropout_threshold, kept ones / (1 - rate)
+  uint32_t dropout_threshold = 0;
 
   int64_t group() const { return n / kh; }  // query heads per kv head
 };
@@ -42,6 +70,9 @@ struct BwdParams : FwdParams {
   void* dv;           // (B, S, K, Hv)
   float* delta;       // (B, N, T) workspace: rowsum(dout * o) - dlse
   float* dq_accum;    // (B, T, N, H) fp32 workspace where a kernel accumulates dq; may be null
+  void* dbias = nullptr;         // bias's shape, dense, dtype of q: dlogits summed over broadcast dims
+  float* dalibi = nullptr;       // (B, N): gradient of alibi_slopes
+  bool deterministic = false;    // bit-identical backward across runs (the CPU kernel always is)
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;

@@ -3,6 +3,10 @@
 Output types come from jax.typeof(q).update(...), not a bare ShapeDtypeStruct, so that
 inside shard_map they keep q's varying-axis type (a bare struct makes autodiff insert a
 psum and the gradients come out wrong).
+
+The CPU targets take every variant operand in the order of VARIANT_OPERANDS; an absent one is
+passed as a zero-element placeholder and marked dead by its `has_*` attr (csrc/ffi_params.h
+checks both). The CUDA targets take none yet: attention.py never routes variants to them.
 """
 
 from __future__ import annotations
@@ -10,6 +14,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxflash.reference import window_bounds
+
+# Variant operands in binding order, with the dtype each has (None: q's dtype). Per-batch
+# operands have a leading (B,) dim; bias and mask are (B|1, N|1, T|1, S|1).
+VARIANT_OPERANDS = (
+    ("bias", None),
+    ("mask", jnp.bool_),
+    ("query_seq_lengths", jnp.int32),
+    ("key_value_seq_lengths", jnp.int32),
+    ("query_segment_ids", jnp.int32),
+    ("key_value_segment_ids", jnp.int32),
+    ("alibi_slopes", jnp.float32),
+    ("dropout_seeds", jnp.uint32),
+)
 
 
 # Per operand and result of each call, one letter per axis (jaxflash.sharding): B batch, N query
@@ -30,16 +49,77 @@ def _lse_shape(q):
   return (*lead, n, t)
 
 
-def fwd(q, k, v, *, scale: float, is_causal: bool, platform: str):
+def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate):
+  """(operands, attrs) for the CPU targets; `variants` maps VARIANT_OPERANDS names to arrays."""
+  variants = variants or {}
+  unknown = set(variants) - {name for name, _ in VARIANT_OPERANDS}
+  if unknown:
+    raise ValueError(f"unknown variant operands {sorted(unknown)}")
+  operands = []
+  for name, dtype in VARIANT_OPERANDS:
+    x = variants.get(name)
+    operands.append(jnp.zeros((0,), q.dtype if dtype is None else dtype) if x is None else x)
+  live = lambda name: variants.get(name) is not None
+  if live("query_segment_ids") != live("key_value_segment_ids"):
+    raise ValueError("query_segment_ids and key_value_segment_ids go together")
+  if (dropout_rate > 0) != live("dropout_seeds"):
+    raise ValueError("dropout_seeds must be given exactly when dropout_rate > 0")
+  left, right = window_bounds(window) or (-1, -1)
+  attrs = dict(has_bias=live("bias"), has_mask=live("mask"),
+               has_q_lengths=live("query_seq_lengths"),
+               has_kv_lengths=live("key_value_seq_lengths"),
+               has_segment_ids=live("query_segment_ids"), has_alibi=live("alibi_slopes"),
+               window_left=np.int64(left), window_right=np.int64(right),
+               bottom_right=bool(bottom_right), softcap=np.float32(softcap or 0.0),
+               dropout_rate=np.float32(dropout_rate))
+  return operands, attrs
+
+
+def _check_cuda(variants, window, bottom_right, softcap, dropout_rate):
+  used = [name for name, x in (variants or {}).items() if x is not None]
+  used += [name for name, on in (("local_window_size", window is not None),
+                                 ("causal_alignment", bottom_right),
+                                 ("logits_soft_cap", bool(softcap)),
+                                 ("dropout_rate", dropout_rate > 0)) if on]
+  if used:
+    raise ValueError(f"the CUDA kernels do not support {used} yet")
+
+
+def fwd(q, k, v, variants=None, *, scale: float, is_causal: bool, platform: str, window=None,
+        bottom_right=False, softcap=None, dropout_rate=0.0):
   """(..., T, N, H), (..., S, K, H), (..., S, K, Hv) -> out (..., T, N, Hv), lse (..., N, T)."""
   out_types = (_like(q, q.shape[:-1] + v.shape[-1:], q.dtype),
                _like(q, _lse_shape(q), jnp.float32))
   call = jax.ffi.ffi_call(f"jaxflash_fwd_{platform}", out_types, vmap_method="broadcast_all")
-  return call(q, k, v, scale=np.float32(scale), is_causal=bool(is_causal))
+  base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
+  if platform == "cuda":
+    _check_cuda(variants, window, bottom_right, softcap, dropout_rate)
+    return call(q, k, v, **base)
+  operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate)
+  return call(q, k, v, *operands, **base, **attrs)
 
 
-def bwd(q, k, v, out, lse, dout, dlse, *, scale: float, is_causal: bool, platform: str):
-  """Returns dq, dk, dv with the shapes and dtypes of q, k, v."""
-  out_types = tuple(_like(x, x.shape, x.dtype) for x in (q, k, v))
-  call = jax.ffi.ffi_call(f"jaxflash_bwd_{platform}", out_types, vmap_method="broadcast_all")
-  return call(q, k, v, out, lse, dout, dlse, scale=np.float32(scale), is_causal=bool(is_causal))
+def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal: bool,
+        platform: str, window=None, bottom_right=False, softcap=None, dropout_rate=0.0,
+        deterministic=False):
+  """Returns dq, dk, dv with the shapes and dtypes of q, k, v; and, when `variants` is given,
+  also dbias (bias's shape, or None) and dalibi (alibi_slopes' shape, or None)."""
+  grads = tuple(_like(x, x.shape, x.dtype) for x in (q, k, v))
+  base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
+  if platform == "cuda":
+    _check_cuda(variants, window, bottom_right, softcap, dropout_rate)
+    if deterministic:
+      raise ValueError("the CUDA kernels do not support deterministic_backward yet")
+    call = jax.ffi.ffi_call("jaxflash_bwd_cuda", grads, vmap_method="broadcast_all")
+    dq, dk, dv = call(q, k, v, out, lse, dout, dlse, **base)
+    return (dq, dk, dv) if variants is None else (dq, dk, dv, None, None)
+  operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate)
+  bias, alibi = operands[0], operands[6]
+  out_types = grads + (_like(q, bias.shape, bias.dtype), _like(q, alibi.shape, alibi.dtype))
+  call = jax.ffi.ffi_call("jaxflash_bwd_cpu", out_types, vmap_method="broadcast_all")
+  dq, dk, dv, dbias, dalibi = call(q, k, v, out, lse, dout, dlse, *operands, **base, **attrs,
+                                   deterministic=bool(deterministic))
+  if variants is None:
+    return dq, dk, dv
+  return (dq, dk, dv, dbias if attrs["has_bias"] else None,
+          dalibi if attrs["has_alibi"] else None)

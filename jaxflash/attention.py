@@ -12,9 +12,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxflash import _calls, _ffi, sharding
-from jaxflash.reference import attention_reference
+from jaxflash.reference import (CAUSAL_ALIGNMENTS, attention_reference, dropout_seeds,
+                                window_bounds)
 
 IMPLEMENTATIONS = (None, "xla", "cpu", "cuda")
 KERNEL_DTYPES = {"cpu": ("float32", "float16", "bfloat16"), "cuda": ("float16", "bfloat16")}
@@ -29,6 +31,16 @@ class _Config:
   cuda: str
   # pinned: run `cpu` or `cuda` regardless of platform (an explicit implementation=)
   pinned: str | None
+  window: tuple[int, int] | None = None  # (left, right), see reference.window_bounds
+  bottom_right: bool = False             # causal_alignment == 'bottom_right'
+  softcap: float | None = None
+  dropout_rate: float = 0.0
+  deterministic: bool = False            # deterministic_backward
+
+  def options(self):
+    """Static variant options, with the names _calls.fwd/bwd take."""
+    return dict(window=self.window, bottom_right=self.bottom_right, softcap=self.softcap,
+                dropout_rate=self.dropout_rate)
 
 
 def _shapes_error(msg, query, key, value):
@@ -61,7 +73,7 @@ def check_inputs(query, key, value):
                         query, key, value)
 
 
-def _cuda_support(query, value) -> str | None:
+def _cuda_support(query, value, variants=()) -> str | None:
   """None when the CUDA kernel covers these inputs, else why not."""
   if not _ffi.cuda_built():
     return "jaxflash was built without CUDA kernels"
@@ -72,71 +84,115 @@ def _cuda_support(query, value) -> str | None:
   if H != Hv or H not in _ffi.cuda_head_dims():
     return (f"the CUDA kernels support head dims {_ffi.cuda_head_dims()} with equal query "
             f"and value head dims, got H={H}, Hv={Hv}")
+  if variants:
+    return (f"the CUDA kernels do not support {', '.join(f'`{v}`' for v in variants)} yet "
+            "(implementation=None falls back to 'xla' on GPU for these)")
   return None
 
 
-def _run_fwd(q, k, v, cfg: _Config):
-  # per shard of batch and heads under jit: no collectives
-  local = functools.partial(_fwd_local, cfg=cfg)
-  return sharding.shard_local(local, *_calls.FWD_AXES)(q, k, v)
+def _reference(q, k, v, ops, cfg: _Config):
+  return attention_reference(
+      q, k, v, bias=ops["bias"], mask=ops["mask"], scale=cfg.scale, is_causal=cfg.is_causal,
+      query_seq_lengths=ops["query_seq_lengths"],
+      key_value_seq_lengths=ops["key_value_seq_lengths"], local_window_size=cfg.window,
+      causal_alignment="bottom_right" if cfg.bottom_right else "top_left",
+      query_segment_ids=ops["query_segment_ids"],
+      key_value_segment_ids=ops["key_value_segment_ids"], logits_soft_cap=cfg.softcap,
+      alibi_slopes=ops["alibi_slopes"], dropout_rate=cfg.dropout_rate,
+      dropout_seeds_=ops["dropout_seeds"])
 
 
-def _fwd_local(q, k, v, cfg: _Config):
+# Axes of each variant operand for sharding.shard_local: B and N may be split over devices,
+# every other letter is kept whole on each device.
+_OPERAND_AXES = dict(bias="BNTS", mask="BNTS", query_seq_lengths="B", key_value_seq_lengths="B",
+                     query_segment_ids="BT", key_value_segment_ids="BS", alibi_slopes="BN",
+                     dropout_seeds="BX")
+
+
+def _per_shard(fn, arrays, ops, in_axes, out_axes):
+  """Runs fn(*arrays, ops) on each device's block of batch and heads (no collectives): the
+  live operands of `ops` travel as extra positional arrays with their axes."""
+  names = [n for n, x in ops.items() if x is not None]
+
+  def local(*args):
+    live = dict(zip(names, args[len(arrays):]))
+    return fn(*args[:len(arrays)], {n: live.get(n) for n in ops})
+
+  axes = tuple(in_axes) + tuple(_OPERAND_AXES[n] for n in names)
+  return sharding.shard_local(local, axes, out_axes)(*arrays, *(ops[n] for n in names))
+
+
+def _run_fwd(q, k, v, ops, cfg: _Config):
   def kernel(platform):
     impl = getattr(cfg, platform)
     if impl == "xla":
-      return lambda q, k, v: attention_reference(q, k, v, scale=cfg.scale,
-                                                 is_causal=cfg.is_causal)
-    return functools.partial(_calls.fwd, scale=cfg.scale, is_causal=cfg.is_causal,
-                             platform=impl)
+      return lambda q, k, v, ops: _reference(q, k, v, ops, cfg)
+    return lambda q, k, v, ops: _calls.fwd(q, k, v, ops, scale=cfg.scale,
+                                           is_causal=cfg.is_causal, platform=impl,
+                                           **cfg.options())
 
-  if cfg.pinned:
-    return kernel(cfg.pinned)(q, k, v)
-  reference = lambda q, k, v: attention_reference(q, k, v, scale=cfg.scale,
-                                                 is_causal=cfg.is_causal)
-  return jax.lax.platform_dependent(q, k, v, cpu=kernel("cpu"), cuda=kernel("cuda"),
-                                    default=reference)
+  def local(q, k, v, ops):
+    if cfg.pinned:
+      return kernel(cfg.pinned)(q, k, v, ops)
+    return jax.lax.platform_dependent(q, k, v, ops, cpu=kernel("cpu"), cuda=kernel("cuda"),
+                                      default=lambda q, k, v, ops: _reference(q, k, v, ops, cfg))
 
-
-def _run_bwd(q, k, v, out, lse, dout, dlse, cfg: _Config):
-  local = functools.partial(_bwd_local, cfg=cfg)
-  return sharding.shard_local(local, *_calls.BWD_AXES)(q, k, v, out, lse, dout, dlse)
+  return _per_shard(local, (q, k, v), ops, *_calls.FWD_AXES)
 
 
-def _bwd_local(q, k, v, out, lse, dout, dlse, cfg: _Config):
-  def reference_vjp(q, k, v, out, lse, dout, dlse):
-    ref = lambda q, k, v: attention_reference(q, k, v, scale=cfg.scale, is_causal=cfg.is_causal)
-    _, vjp = jax.vjp(ref, q, k, v)
+def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config):
+  """dq, dk, dv, then dbias and dalibi for whichever of bias and alibi_slopes is live."""
+  def reference_vjp(q, k, v, out, lse, dout, dlse, ops):
+    def ref(q, k, v, bias, alibi):
+      return _reference(q, k, v, {**ops, "bias": bias, "alibi_slopes": alibi}, cfg)
+    _, vjp = jax.vjp(ref, q, k, v, ops["bias"], ops["alibi_slopes"])
     return vjp((dout, dlse))
 
   def kernel(platform):
     impl = getattr(cfg, platform)
     if impl == "xla":
       return reference_vjp
-    return functools.partial(_calls.bwd, scale=cfg.scale, is_causal=cfg.is_causal,
-                             platform=impl)
+    return lambda q, k, v, out, lse, dout, dlse, ops: _calls.bwd(
+        q, k, v, out, lse, dout, dlse, ops, scale=cfg.scale, is_causal=cfg.is_causal,
+        platform=impl, deterministic=cfg.deterministic, **cfg.options())
 
-  args = (q, k, v, out, lse, dout, dlse)
-  if cfg.pinned:
-    return kernel(cfg.pinned)(*args)
-  return jax.lax.platform_dependent(*args, cpu=kernel("cpu"), cuda=kernel("cuda"),
-                                    default=reference_vjp)
+  def local(*args):
+    if cfg.pinned:
+      grads = kernel(cfg.pinned)(*args)
+    else:
+      grads = jax.lax.platform_dependent(*args, cpu=kernel("cpu"), cuda=kernel("cuda"),
+                                         default=reference_vjp)
+    return tuple(g for g in grads if g is not None)
+
+  grad_axes = _calls.BWD_AXES[1] + tuple(
+      _OPERAND_AXES[n] for n in ("bias", "alibi_slopes") if ops[n] is not None)
+  grads = iter(_per_shard(local, (q, k, v, out, lse, dout, dlse), ops, _calls.BWD_AXES[0],
+                          grad_axes))
+  dq, dk, dv = next(grads), next(grads), next(grads)
+  dbias = next(grads) if ops["bias"] is not None else None
+  dalibi = next(grads) if ops["alibi_slopes"] is not None else None
+  return dq, dk, dv, dbias, dalibi
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q, k, v, cfg: _Config):
-  return _run_fwd(q, k, v, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, ops, cfg: _Config):
+  return _run_fwd(q, k, v, ops, cfg)
 
 
-def _flash_fwd(q, k, v, cfg):
-  out, lse = _run_fwd(q, k, v, cfg)
-  return (out, lse), (q, k, v, out, lse)
+def _flash_fwd(q, k, v, ops, cfg):
+  out, lse = _run_fwd(q, k, v, ops, cfg)
+  return (out, lse), (q, k, v, ops, out, lse)
 
 
 def _flash_bwd(cfg, res, cts):
-  q, k, v, out, lse = res
+  q, k, v, ops, out, lse = res
   dout, dlse = cts
-  return _run_bwd(q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32), cfg)
+  dq, dk, dv, dbias, dalibi = _run_bwd(q, k, v, ops, out, lse, dout.astype(out.dtype),
+                                       dlse.astype(jnp.float32), cfg)
+  # integer/bool operands and the dropout seeds get no cotangent
+  d_ops = {name: None for name in ops}
+  d_ops["bias"], d_ops["alibi_slopes"] = dbias, dalibi
+  return dq, dk, dv, d_ops
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -144,21 +200,47 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-              implementation=None, return_residual=False):
+              causal_alignment="top_left", query_segment_ids=None, key_value_segment_ids=None,
+              logits_soft_cap=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
+              deterministic_backward=False, implementation=None, return_residual=False):
   """Scaled dot-product attention, a drop-in for `jax.nn.dot_product_attention`.
+
+  The exact semantics of every option are written out in `jaxflash.reference`.
 
   Args:
     query: (B, T, N, H) or unbatched (T, N, H).
     key: (B, S, K, H) or (S, K, H); N must be a multiple of K (GQA/MQA).
     value: (B, S, K, Hv) or (S, K, Hv).
-    bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size: as in
-      jax.nn.dot_product_attention; today only implementation='xla' takes them.
+    bias: additive, rank <= 4 (leading dims are added), broadcastable to (B, N, T, S) with
+      each dim full or 1; any float dtype (used in query's dtype). Differentiable: its
+      gradient is reduced over the broadcast dims. Read in place, never expanded.
+    mask: bool, same shapes as bias; True = attend. Read in place, never expanded.
     scale: multiplies the logits; default 1/sqrt(H).
-    is_causal: query t sees keys s <= t (top-left aligned, as jax.nn).
+    is_causal: query t sees keys s <= t + shift (see causal_alignment).
+    query_seq_lengths, key_value_seq_lengths: (B,) int32; rows t >= q_len see nothing
+      (out 0, lse -inf) and keys s >= kv_len are invisible. A length 0 is allowed.
+    local_window_size: int w (= (w, w)) or (left, right): query t sees keys in
+      [t + shift - left, t + shift + right]; with or without is_causal.
+    causal_alignment: 'top_left' (shift 0, as jax.nn) or 'bottom_right' (shift =
+      kv_len - q_len per batch element, with the lengths above when given else T and S,
+      as FlashAttention >= 2.1: the last query sees the last key). Applies to is_causal,
+      local_window_size and alibi_slopes.
+    query_segment_ids, key_value_segment_ids: (B, T) and (B, S) integers, given together
+      (packed documents): attend only where the ids are equal.
+    logits_soft_cap: c > 0: logits = c * tanh(scale * q.k / c), applied before bias/ALiBi.
+    alibi_slopes: (N,) or (B, N): logits -= slope * |s - (t + shift)|. Differentiable.
+    dropout_rate: in [0, 1); drops attention probabilities with a counter-based hash of
+      (seed, b, n, t, s) (`jaxflash.reference.dropout_keep`), so the forward, the backward
+      and the reference see one mask.
+    dropout_rng: a jax PRNG key; required when dropout_rate > 0.
+    deterministic_backward: ask for a backward that is bit-identical across runs. The CPU
+      kernel and 'xla' on CPU always are; the CUDA kernels do not support it yet, so on
+      GPU implementation=None falls back to 'xla' and implementation='cuda' raises.
     implementation: None (the best kernel for the platform the computation lowers to:
       CUDA on GPUs where it covers the inputs, the C++ kernel on CPU, else 'xla'),
       'cuda', 'cpu', or 'xla' (the pure-JAX reference).
-    return_residual: also return the logsumexp, (B, N, T) float32 (differentiable).
+    return_residual: also return the logsumexp, (B, N, T) float32 (differentiable); -inf on
+      rows that see no key.
 
   Returns:
     out with query's shape (last dim Hv) and dtype; and lse when return_residual.
@@ -172,42 +254,138 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       raise _shapes_error("query, key and value must all be batched or all unbatched",
                           query, key, value)
     query, key, value = query[None], key[None], value[None]
+    query_seq_lengths, key_value_seq_lengths, query_segment_ids, key_value_segment_ids = (
+        None if x is None else jnp.asarray(x)[None]
+        for x in (query_seq_lengths, key_value_seq_lengths, query_segment_ids,
+                  key_value_segment_ids))
   check_inputs(query, key, value)
-  scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+  B, T, N, H = query.shape
+  S = key.shape[1]
+  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
 
-  extras = dict(bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
-                key_value_seq_lengths=key_value_seq_lengths,
-                local_window_size=local_window_size)
+  ops = dict(
+      bias=_check_bcast("bias", bias, (B, N, T, S), None),
+      mask=_check_bcast("mask", mask, (B, N, T, S), jnp.bool_),
+      query_seq_lengths=_check_lengths("query_seq_lengths", query_seq_lengths, B),
+      key_value_seq_lengths=_check_lengths("key_value_seq_lengths", key_value_seq_lengths, B),
+      query_segment_ids=None, key_value_segment_ids=None,
+      alibi_slopes=_check_alibi(alibi_slopes, B, N), dropout_seeds=None)
+  if ops["bias"] is not None:
+    ops["bias"] = ops["bias"].astype(query.dtype)  # the kernels read bias in q's dtype
+  if (query_segment_ids is None) != (key_value_segment_ids is None):
+    raise ValueError("query_segment_ids and key_value_segment_ids must be given together, got "
+                     f"only {'query' if key_value_segment_ids is None else 'key_value'}"
+                     "_segment_ids")
+  if query_segment_ids is not None:
+    ops["query_segment_ids"] = _check_ids("query_segment_ids", query_segment_ids, (B, T))
+    ops["key_value_segment_ids"] = _check_ids("key_value_segment_ids", key_value_segment_ids,
+                                              (B, S))
+  window = _check_window(local_window_size)
+  if causal_alignment not in CAUSAL_ALIGNMENTS:
+    raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got "
+                     f"{causal_alignment!r}")
+  softcap = None
+  if logits_soft_cap is not None:
+    softcap = float(logits_soft_cap)
+    if not (0 < softcap < math.inf):
+      raise ValueError(f"logits_soft_cap must be a positive finite number or None, got "
+                       f"{logits_soft_cap!r}")
+  dropout_rate = float(dropout_rate)
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  if dropout_rate > 0:
+    if dropout_rng is None:
+      raise ValueError("dropout_rng (a jax PRNG key) is required when dropout_rate > 0")
+    ops["dropout_seeds"] = dropout_seeds(dropout_rng, B)
+
+  cfg = _resolve(query, value, implementation, scale, bool(is_causal),
+                 _used_variants(ops, window, causal_alignment, softcap, dropout_rate,
+                                deterministic_backward))
+  cfg = dataclasses.replace(cfg, window=window, bottom_right=causal_alignment == "bottom_right",
+                            softcap=softcap, dropout_rate=dropout_rate,
+                            deterministic=bool(deterministic_backward))
   if implementation == "xla":
-    if unbatched:
-      extras = _batch_extras(**extras)
-    out, lse = attention_reference(query, key, value, scale=scale, is_causal=is_causal,
-                                   **extras)
+    out, lse = _reference(query, key, value, ops, cfg)
   else:
-    for name, x in extras.items():
-      if x is not None:
-        raise NotImplementedError(
-            f"jaxflash kernels do not support `{name}` yet; pass implementation='xla' to "
-            "use the reference implementation")
-    cfg = _resolve(query, value, implementation, scale, bool(is_causal))
-    out, lse = _flash(query, key, value, cfg)
+    out, lse = _flash(query, key, value, ops, cfg)
 
   if unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out
 
 
-def _batch_extras(bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size):
-  """Gives the variant arguments of an unbatched call their batch dim."""
-  lift = lambda x: x if x is None or jnp.ndim(x) == 4 else jnp.asarray(x)[None]
-  lengths = lambda x: None if x is None else jnp.reshape(jnp.asarray(x), (1,))
-  return dict(bias=lift(bias), mask=lift(mask), query_seq_lengths=lengths(query_seq_lengths),
-              key_value_seq_lengths=lengths(key_value_seq_lengths),
-              local_window_size=local_window_size)
+def _used_variants(ops, window, causal_alignment, softcap, dropout_rate, deterministic):
+  used = [name for name, x in ops.items() if x is not None and name != "dropout_seeds"]
+  used += [name for name, on in (("local_window_size", window is not None),
+                                 ("causal_alignment", causal_alignment != "top_left"),
+                                 ("logits_soft_cap", softcap is not None),
+                                 ("dropout_rate", dropout_rate > 0),
+                                 ("deterministic_backward", deterministic)) if on]
+  return used
 
 
-def _resolve(query, value, implementation, scale, is_causal) -> _Config:
-  cuda_reason = _cuda_support(query, value)
+def _check_bcast(name, x, full, dtype):
+  """bias/mask: rank <= 4, leading 1s added; each dim equal to (B, N, T, S) or 1."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have rank <= 4, broadcastable to (B, N, T, S) = {full}, "
+                     f"got shape {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  if any(d not in (1, f) for d, f in zip(x.shape, full)):
+    raise ValueError(f"{name} shape {x.shape} is not broadcastable to (B, N, T, S) = {full}: "
+                     "each dim must be full or 1")
+  if dtype is not None and x.dtype != dtype:
+    raise ValueError(f"{name} dtype must be {jnp.dtype(dtype).name}, got {x.dtype}")
+  if dtype is None and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name} dtype must be floating, got {x.dtype}")
+  return x
+
+
+def _check_lengths(name, x, B):
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.shape != (B,) or x.dtype != jnp.int32:
+    raise ValueError(f"{name} must be int32 of shape (B,) = ({B},), got {x.dtype} {x.shape}")
+  return x
+
+
+def _check_ids(name, x, shape):
+  x = jnp.asarray(x)
+  if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be integers of shape {shape}, got {x.dtype} {x.shape}")
+  return x.astype(jnp.int32)
+
+
+def _check_alibi(x, B, N):
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.shape not in ((N,), (B, N)) or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"alibi_slopes must be floating of shape (N,) = ({N},) or (B, N) = "
+                     f"({B}, {N}), got {x.dtype} {x.shape}")
+  return jnp.broadcast_to(x.astype(jnp.float32), (B, N))
+
+
+def _check_window(local_window_size):
+  if local_window_size is None:
+    return None
+  ok = isinstance(local_window_size, (int, np.integer)) or (
+      isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and
+      all(isinstance(w, (int, np.integer)) for w in local_window_size))
+  if not ok or isinstance(local_window_size, bool):
+    raise ValueError(f"local_window_size must be an int or a (left, right) pair of ints, got "
+                     f"{local_window_size!r}")
+  window = window_bounds(local_window_size)
+  if min(window) < 0:
+    raise ValueError(f"local_window_size must be >= 0, got {local_window_size!r}")
+  return window
+
+
+def _resolve(query, value, implementation, scale, is_causal, variants=()) -> _Config:
+  cuda_reason = _cuda_support(query, value, variants)
   if implementation in ("cpu", None) and not _ffi.cpu_built():
     if implementation == "cpu":
       raise ValueError(f"implementation='cpu' is not available: the jaxflash extension did "
@@ -218,3 +396,76 @@ def _resolve(query, value, implementation, scale, is_causal) -> _Config:
   cuda = "xla" if cuda_reason else "cuda"
   return _Config(scale=scale, is_causal=is_causal, cpu=cpu, cuda=cuda,
                  pinned=implementation)
+
+
+def _packed_segment_ids(cu_seqlens, total, pad_id):
+  """(total,) int32: the sequence index of each packed token; pad_id past cu_seqlens[-1]."""
+  t = jnp.arange(total, dtype=cu_seqlens.dtype)
+  seg = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
+  live = (t >= cu_seqlens[0]) & (t < cu_seqlens[-1])
+  return jnp.where(live, seg, pad_id)
+
+
+def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
+                     max_seqlen_k=None, *, scale=None, is_causal=False, local_window_size=None,
+                     logits_soft_cap=None, alibi_slopes=None, dropout_rate=0.0,
+                     dropout_rng=None, deterministic_backward=False, implementation=None,
+                     return_residual=False):
+  """Attention over packed variable-length sequences, as FlashAttention's varlen API.
+
+  Sequence i holds query tokens [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and key tokens
+  [cu_seqlens_k[i], cu_seqlens_k[i + 1]). It runs as one batch element of `attention` with
+  segment ids derived from cu_seqlens (no copy of q, k, v; the kernels skip tiles across
+  sequences). Tokens past cu_seqlens[-1] attend nothing (out 0, lse -inf).
+
+  Args:
+    query: (Tq, N, H) packed queries; key: (Tk, K, H); value: (Tk, K, Hv).
+    cu_seqlens_q: (num_seqs + 1,) int32, non-decreasing, starting at 0.
+    cu_seqlens_k: same for keys; None means self-attention (cu_seqlens_q). is_causal,
+      local_window_size and alibi_slopes compare positions inside each sequence, which the
+      packed layout gives only for self-attention: they require cu_seqlens_k None or the
+      same array as cu_seqlens_q.
+    max_seqlen_q, max_seqlen_k: optional static upper bounds of the sequence lengths, as in
+      FlashAttention; checked against the packed lengths. The segment-id mapping does not
+      need them.
+    Other arguments: as `attention` (alibi_slopes of shape (N,)).
+
+  Returns:
+    out (Tq, N, Hv); and lse (N, Tq) when return_residual.
+  """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim != 3:
+      raise ValueError(f"attention_varlen: {name} must be packed (total_tokens, heads, dim), "
+                       f"got shape {x.shape}")
+  self_attention = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+  cu_seqlens_q = jnp.asarray(cu_seqlens_q)
+  cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else jnp.asarray(cu_seqlens_k)
+  for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    if cu.ndim != 1 or cu.shape[0] < 2 or cu.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32 of shape (num_seqs + 1,), got {cu.dtype} "
+                       f"{cu.shape}")
+  if cu_seqlens_q.shape != cu_seqlens_k.shape:
+    raise ValueError(f"cu_seqlens_q {cu_seqlens_q.shape} and cu_seqlens_k "
+                     f"{cu_seqlens_k.shape} must describe the same number of sequences")
+  for name, bound, total in (("max_seqlen_q", max_seqlen_q, query.shape[0]),
+                             ("max_seqlen_k", max_seqlen_k, key.shape[0])):
+    if bound is not None and not (isinstance(bound, (int, np.integer)) and 0 <= bound <= total):
+      raise ValueError(f"{name} must be None or an int in [0, {total}], got {bound!r}")
+  if not self_attention:
+    for name, on in (("is_causal", is_causal), ("local_window_size", local_window_size),
+                     ("alibi_slopes", alibi_slopes)):
+      if on is not None and on is not False:
+        raise NotImplementedError(
+            f"attention_varlen: `{name}` needs self-attention (cu_seqlens_k None or the same "
+            "array as cu_seqlens_q); for cross-attention with positions use `attention` with "
+            "padded inputs and query/key_value_seq_lengths")
+  q_ids = _packed_segment_ids(cu_seqlens_q, query.shape[0], -1)
+  kv_ids = _packed_segment_ids(cu_seqlens_k, key.shape[0], -2)
+  out, lse = attention(query[None], key[None], value[None], scale=scale, is_causal=is_causal,
+                       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                       alibi_slopes=alibi_slopes, query_segment_ids=q_ids[None],
+                       key_value_segment_ids=kv_ids[None], dropout_rate=dropout_rate,
+                       dropout_rng=dropout_rng, deterministic_backward=deterministic_backward,
+                       implementation=implementation, return_residual=True)
+  return (out[0], lse[0]) if return_residual else out[0]

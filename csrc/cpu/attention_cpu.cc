@@ -97,12 +97,130 @@ void parallel_for(int64_t n, F&& body) {
   for (auto& t : pool) t.join();
 }
 
-// Key tiles a query tile [m0, m0 + rows) must visit: causal tiles past the diagonal are skipped.
-inline int64_t key_end(const FwdParams& p, int64_t m0, int64_t rows) {
-  return p.is_causal ? std::min(p.s, m0 + rows) : p.s;
+// The dropout hash: the same 32-bit finaliser as jaxflash/reference.py `_mix`.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0xd35a2d97u;
+  return x ^ (x >> 15);
 }
 
-inline bool visible(const FwdParams& p, int64_t t, int64_t s) { return !p.is_causal || s <= t; }
+// The variant rules seen from one (batch b, query head n): visibility, the logit transform,
+// dropout, and the tile ranges that skip masked work.
+template <typename T>
+struct Head {
+  const FwdParams& p;
+  int64_t q_len, kv_len;  // valid query rows and keys, in [0, T] and [0, S]
+  int64_t shift;          // key position of query 0 (causal alignment)
+  float slope = 0.f;
+  const int32_t* qseg = nullptr;   // (T)
+  const int32_t* kvseg = nullptr;  // (S)
+  const uint8_t* mask = nullptr;   // at (b, n); rows/cols via mask_strides
+  const T* bias = nullptr;         // at (b, n); rows/cols via bias_strides
+  uint32_t drop_head = 0;          // dropout hash of (seeds[b], n)
+  float keep_scale = 1.f;          // 1 / (1 - dropout_rate)
+
+  Head(const FwdParams& p_, int64_t b, int64_t n) : p(p_) {
+    const int64_t q_raw = p.q_lengths ? p.q_lengths[b] : p.t;
+    const int64_t kv_raw = p.kv_lengths ? p.kv_lengths[b] : p.s;
+    q_len = std::clamp<int64_t>(q_raw, 0, p.t);
+    kv_len = std::clamp<int64_t>(kv_raw, 0, p.s);
+    shift = p.bottom_right ? kv_raw - q_raw : 0;
+    const int64_t outer = b / p.batch_inner, bi = b % p.batch_inner;
+    if (p.mask) {
+      const BcastStrides& st = p.mask_strides;
+      mask = p.mask + outer * st.outer + bi * st.batch + n * st.head;
+    }
+    if (p.bias) {
+      const BcastStrides& st = p.bias_strides;
+      bias = static_cast<const T*>(p.bias) + outer * st.outer + bi * st.batch + n * st.head;
+    }
+    if (p.alibi_slopes) slope = p.alibi_slopes[b * p.n + n];
+    if (p.q_segment_ids) {
+      qseg = p.q_segment_ids + b * p.t;
+      kvseg = p.kv_segment_ids + b * p.s;
+    }
+    if (p.dropout_seeds) {
+      const uint32_t* seed = p.dropout_seeds + 2 * b;
+      drop_head = mix32(uint32_t(n) ^ mix32(seed[0] ^ mix32(seed[1])));
+      keep_scale = 1.f / (1.f - p.dropout_rate);
+    }
+  }
+
+  bool visible(int64_t t, int64_t s) const {
+    if (t >= q_len || s >= kv_len) return false;
+    const int64_t pos = t + shift;
+    if (p.is_causal && s > pos) return false;
+    if (p.window_left >= 0 && s < pos - p.window_left) return false;
+    if (p.window_right >= 0 && s > pos + p.window_right) return false;
+    if (qseg && qseg[t] != kvseg[s]) return false;
+    if (mask && !mask[t * p.mask_strides.row + s * p.mask_strides.col]) return false;
+    return true;
+  }
+
+  // logit from q.k: scale, soft-cap, + bias, - alibi. *dcap = d logit / d (scale q.k).
+  float logit(float dot, int64_t t, int64_t s, float* dcap) const {
+    float x = dot * p.scale;
+    if (p.softcap > 0.f) {
+      const float th = std::tanh(x / p.softcap);
+      x = p.softcap * th;
+      if (dcap) *dcap = 1.f - th * th;
+    } else if (dcap) {
+      *dcap = 1.f;
+    }
+    if (bias) x += to_float(bias[t * p.bias_strides.row + s * p.bias_strides.col]);
+    if (p.alibi_slopes) x -= slope * float(std::abs(s - (t + shift)));
+    return x;
+  }
+
+  uint32_t drop_row(int64_t t) const { return mix32(uint32_t(t) ^ drop_head); }
+  // Multiplier of p[t, s] after dropout: 0 or 1 / (1 - rate); 1 without dropout.
+  float keep(uint32_t row_hash, int64_t s) const {
+    if (!p.dropout_seeds) return 1.f;
+    return mix32(uint32_t(s) ^ row_hash) >= p.dropout_threshold ? keep_scale : 0.f;
+  }
+
+  // Keys [lo, hi) that rows [m0, m0 + rows) can see through causal/window/lengths.
+  bool key_range(int64_t m0, int64_t rows, int64_t& lo, int64_t& hi) const {
+    const int64_t last = std::min(m0 + rows, q_len) - 1;
+    if (last < m0) return false;
+    lo = 0;
+    hi = kv_len;
+    if (p.is_causal) hi = std::min(hi, last + shift + 1);
+    if (p.window_right >= 0) hi = std::min(hi, last + shift + p.window_right + 1);
+    if (p.window_left >= 0) lo = std::max(lo, m0 + shift - p.window_left);
+    return lo < hi;
+  }
+
+  // Queries [lo, hi) that can see some key in [n0, n0 + cols).
+  bool query_range(int64_t n0, int64_t cols, int64_t& lo, int64_t& hi) const {
+    const int64_t last = std::min(n0 + cols, kv_len) - 1;
+    if (last < n0) return false;
+    lo = 0;
+    hi = q_len;
+    if (p.is_causal) lo = std::max(lo, n0 - shift);
+    if (p.window_right >= 0) lo = std::max(lo, n0 - shift - p.window_right);
+    if (p.window_left >= 0) hi = std::min(hi, last - shift + p.window_left + 1);
+    return lo < hi;
+  }
+
+  // False when segment ids or the mask hide the whole (rows x cols) tile.
+  bool tile_live(int64_t m0, int64_t rows, int64_t n0, int64_t cols) const {
+    if (qseg) {  // disjoint id ranges cannot share an id
+      const auto [qmin, qmax] = std::minmax_element(qseg + m0, qseg + m0 + rows);
+      const auto [kmin, kmax] = std::minmax_element(kvseg + n0, kvseg + n0 + cols);
+      if (*qmax < *kmin || *kmax < *qmin) return false;
+    }
+    if (mask) {
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j)
+          if (mask[(m0 + i) * p.mask_strides.row + (n0 + j) * p.mask_strides.col]) return true;
+      return false;
+    }
+    return true;
+  }
+};
 
 template <typename T>
 void fwd_typed(const FwdParams& p) {
@@ -116,23 +234,31 @@ void fwd_typed(const FwdParams& p) {
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + (n / G) * p.v_head_stride;
     T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
     float* lse = p.lse + (b * p.n + n) * p.t;
+    const Head<T> hd(p, b, n);
 
     std::vector<float> sQ(rows * H), sK(kBlockN * H), sV(kBlockN * Hv), sS(kBlockN);
     std::vector<float> acc(rows * Hv, 0.f), m(rows, kNegInf), l(rows, 0.f);
     load_tile(q, p.q_row_stride, m0, rows, H, sQ.data());  // (rows, H)
 
-    const int64_t n_end = key_end(p, m0, rows);
-    for (int64_t n0 = 0; n0 < n_end; n0 += kBlockN) {
-      const int64_t cols = std::min(kBlockN, n_end - n0);
+    int64_t lo = 0, hi = 0;
+    hd.key_range(m0, rows, lo, hi);
+    for (int64_t n0 = lo; n0 < hi; n0 += kBlockN) {
+      const int64_t cols = std::min(kBlockN, hi - n0);
+      if (!hd.tile_live(m0, rows, n0, cols)) continue;
       load_tile(k, p.k_row_stride, n0, cols, H, sK.data());   // (cols, H)
       load_tile(v, p.v_row_stride, n0, cols, Hv, sV.data());  // (cols, Hv)
       for (int64_t i = 0; i < rows; ++i) {
-        // S = scale * Q K^T for row i, masked entries at -inf
+        const int64_t t = m0 + i;
+        // S = logits of row i, masked entries at -inf
         float row_max = m[i];
         for (int64_t j = 0; j < cols; ++j) {
+          if (!hd.visible(t, n0 + j)) {
+            sS[j] = kNegInf;
+            continue;
+          }
           float dot = 0.f;
           for (int64_t d = 0; d < H; ++d) dot += sQ[i * H + d] * sK[j * H + d];
-          sS[j] = visible(p, m0 + i, n0 + j) ? dot * p.scale : kNegInf;
+          sS[j] = hd.logit(dot, t, n0 + j, nullptr);
           row_max = std::max(row_max, sS[j]);
           if (std::isnan(sS[j])) row_max = sS[j];
         }
@@ -142,10 +268,13 @@ void fwd_typed(const FwdParams& p) {
         l[i] *= correction;
         float* a = &acc[i * Hv];
         for (int64_t d = 0; d < Hv; ++d) a[d] *= correction;
+        const uint32_t row_hash = hd.drop_row(t);
         for (int64_t j = 0; j < cols; ++j) {
           const float pj = std::exp(sS[j] - row_max);
-          l[i] += pj;
-          for (int64_t d = 0; d < Hv; ++d) a[d] += pj * sV[j * Hv + d];  // O += P V
+          l[i] += pj;  // lse and the normaliser ignore dropout
+          const float pd = pj * hd.keep(row_hash, n0 + j);
+          if (pd == 0.f) continue;
+          for (int64_t d = 0; d < Hv; ++d) a[d] += pd * sV[j * Hv + d];  // O += P V
         }
         m[i] = row_max;
       }
@@ -159,15 +288,113 @@ void fwd_typed(const FwdParams& p) {
   });
 }
 
+// One (rows x cols) tile of the backward: Pd = dropped probabilities (for dV), dS = dL/dlogits
+// (for dbias and dalibi), dR = dL/d(q.k) (for dQ and dK). All (rows, kBlockN).
+template <typename T>
+void grad_tile(const Head<T>& hd, const float* lse, const float* delta, int64_t m0, int64_t rows,
+               int64_t n0, int64_t cols, const float* sQ, const float* sK, const float* sV,
+               const float* sdO, int64_t H, int64_t Hv, float* Pd, float* dS, float* dR) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = m0 + i;
+    const float li = lse[t];
+    const uint32_t row_hash = hd.drop_row(t);
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t e = i * kBlockN + j;
+      if (li == kNegInf || !hd.visible(t, n0 + j)) {
+        Pd[e] = dS[e] = dR[e] = 0.f;
+        continue;
+      }
+      // P = exp(logit - lse): the forward's probabilities, recomputed
+      float dot = 0.f, dcap = 1.f;
+      for (int64_t d = 0; d < H; ++d) dot += sQ[i * H + d] * sK[j * H + d];
+      const float pij = std::exp(hd.logit(dot, t, n0 + j, &dcap) - li);
+      // dP = (dO V^T) * keep ; dS = P * (dP - delta)
+      const float keep = hd.keep(row_hash, n0 + j);
+      float dp = 0.f;
+      for (int64_t d = 0; d < Hv; ++d) dp += sdO[i * Hv + d] * sV[j * Hv + d];
+      Pd[e] = pij * keep;
+      dS[e] = pij * (dp * keep - delta[t]);
+      dR[e] = dS[e] * dcap * hd.p.scale;
+    }
+  }
+}
+
+// dbias = dS summed over the bias's broadcast dims. A pass of its own, recomputing P and dS, so
+// that each job owns a disjoint slab of dbias: no races and a fixed summation order.
+template <typename T>
+void dbias_typed(const BwdParams& p) {
+  const BcastStrides& st = p.bias_strides;
+  const int64_t G = p.group(), H = p.h, Hv = p.hv;
+  // sizes of the bias dims: full or 1 (a 0 stride marks a broadcast dim)
+  const int64_t nb = st.batch ? p.batch_inner : 1, nn = st.head ? p.n : 1;
+  const int64_t nt = st.row ? p.t : 1, ns = st.col ? p.s : 1;
+  const int64_t outer = p.b / p.batch_inner;
+  const int64_t t_tiles = nt > 1 ? (p.t + kBlockM - 1) / kBlockM : 1;
+  parallel_for(outer * nb * nn * t_tiles, [&](int64_t job) {
+    const int64_t mt = job % t_tiles, hn = (job / t_tiles) % nn;
+    const int64_t hb = (job / (t_tiles * nn)) % nb, ov = job / (t_tiles * nn * nb);
+    // query rows of this slab: one tile of T, or all of T when the bias broadcasts over T
+    const int64_t t0 = nt > 1 ? mt * kBlockM : 0;
+    const int64_t t1 = nt > 1 ? std::min(p.t, t0 + kBlockM) : p.t;
+    std::vector<float> acc((nt > 1 ? t1 - t0 : 1) * ns, 0.f);  // (rows of dbias, S|1)
+    std::vector<float> sK(kBlockN * H), sV(kBlockN * Hv), sQ(kBlockM * H), sdO(kBlockM * Hv),
+        Pd(kBlockM * kBlockN), dS(kBlockM * kBlockN), dR(kBlockM * kBlockN);
+    const int64_t b_begin = nb > 1 ? hb : 0, b_end = nb > 1 ? hb + 1 : p.batch_inner;
+    const int64_t n_begin = nn > 1 ? hn : 0, n_end = nn > 1 ? hn + 1 : p.n;
+    for (int64_t bi = b_begin; bi < b_end; ++bi) {
+      const int64_t b = ov * p.batch_inner + bi;
+      for (int64_t n = n_begin; n < n_end; ++n) {
+        const Head<T> hd(p, b, n);
+        const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
+        const T* dout =
+            static_cast<const T*>(p.dout) + b * p.do_batch_stride + n * p.do_head_stride;
+        const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + (n / G) * p.k_head_stride;
+        const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + (n / G) * p.v_head_stride;
+        const float* lse = p.lse + (b * p.n + n) * p.t;
+        const float* delta = p.delta + (b * p.n + n) * p.t;
+        for (int64_t m0 = t0; m0 < t1; m0 += kBlockM) {
+          const int64_t rows = std::min(kBlockM, t1 - m0);
+          int64_t lo = 0, hi = 0;
+          if (!hd.key_range(m0, rows, lo, hi)) continue;
+          load_tile(q, p.q_row_stride, m0, rows, H, sQ.data());
+          load_tile(dout, p.do_row_stride, m0, rows, Hv, sdO.data());
+          for (int64_t n0 = lo; n0 < hi; n0 += kBlockN) {
+            const int64_t cols = std::min(kBlockN, hi - n0);
+            if (!hd.tile_live(m0, rows, n0, cols)) continue;
+            load_tile(k, p.k_row_stride, n0, cols, H, sK.data());
+            load_tile(v, p.v_row_stride, n0, cols, Hv, sV.data());
+            grad_tile(hd, lse, delta, m0, rows, n0, cols, sQ.data(), sK.data(), sV.data(),
+                      sdO.data(), H, Hv, Pd.data(), dS.data(), dR.data());
+            for (int64_t i = 0; i < rows; ++i) {
+              float* a = &acc[(nt > 1 ? m0 + i - t0 : 0) * ns];
+              for (int64_t j = 0; j < cols; ++j) a[ns > 1 ? n0 + j : 0] += dS[i * kBlockN + j];
+            }
+          }
+        }
+      }
+    }
+    T* dst = static_cast<T*>(p.dbias) + ov * st.outer + hb * st.batch + hn * st.head + t0 * st.row;
+    const int64_t acc_rows = nt > 1 ? t1 - t0 : 1;
+    for (int64_t r = 0; r < acc_rows; ++r)
+      for (int64_t c = 0; c < ns; ++c) from_float(acc[r * ns + c], dst[r * st.row + c * st.col]);
+  });
+}
+
 template <typename T>
 void bwd_typed(const BwdParams& p) {
   const int64_t G = p.group(), H = p.h, Hv = p.hv;
+  const auto q_at = [&](int64_t b, int64_t n) {
+    return static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
+  };
+  const auto do_at = [&](int64_t b, int64_t n) {
+    return static_cast<const T*>(p.dout) + b * p.do_batch_stride + n * p.do_head_stride;
+  };
 
   // delta = rowsum(dO * O) - dlse, the softmax-Jacobian term shared by every key.
   parallel_for(p.b * p.n, [&](int64_t bn) {
     const int64_t b = bn / p.n, n = bn % p.n;
     const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
-    const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + n * p.do_head_stride;
+    const T* dout = do_at(b, n);
     for (int64_t t = 0; t < p.t; ++t) {
       float acc = 0.f;
       for (int64_t d = 0; d < Hv; ++d)
@@ -177,7 +404,8 @@ void bwd_typed(const BwdParams& p) {
   });
   std::fill(p.dq_accum, p.dq_accum + p.b * p.t * p.n * H, 0.f);
 
-  // K/V-stationary: each job owns one (batch, kv head), so dK/dV/dQ writes never collide.
+  // K/V-stationary: each job owns one (batch, kv head), so dK/dV/dQ/dalibi writes never
+  // collide and every sum runs in a fixed order (deterministic).
   parallel_for(p.b * p.kh, [&](int64_t job) {
     const int64_t b = job / p.kh, kh = job % p.kh;
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + kh * p.k_head_stride;
@@ -185,8 +413,10 @@ void bwd_typed(const BwdParams& p) {
     T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kh * p.dk_head_stride;
     T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kh * p.dv_head_stride;
     std::vector<float> sK(kBlockN * H), sV(kBlockN * Hv), dK(kBlockN * H), dV(kBlockN * Hv);
-    std::vector<float> sQ(kBlockM * H), sdO(kBlockM * Hv), P(kBlockM * kBlockN),
-        dS(kBlockM * kBlockN);
+    std::vector<float> sQ(kBlockM * H), sdO(kBlockM * Hv), Pd(kBlockM * kBlockN),
+        dS(kBlockM * kBlockN), dR(kBlockM * kBlockN), dslope(G, 0.f);
+    std::vector<Head<T>> heads;
+    for (int64_t n = kh * G; n < (kh + 1) * G; ++n) heads.emplace_back(p, b, n);
 
     for (int64_t n0 = 0; n0 < p.s; n0 += kBlockN) {
       const int64_t cols = std::min(kBlockN, p.s - n0);
@@ -194,47 +424,38 @@ void bwd_typed(const BwdParams& p) {
       load_tile(v, p.v_row_stride, n0, cols, Hv, sV.data());
       std::fill(dK.begin(), dK.end(), 0.f);
       std::fill(dV.begin(), dV.end(), 0.f);
-      for (int64_t n = kh * G; n < (kh + 1) * G; ++n) {
-        const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
-        const T* dout =
-            static_cast<const T*>(p.dout) + b * p.do_batch_stride + n * p.do_head_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t n = kh * G + g;
+        const Head<T>& hd = heads[g];
         const float* lse = p.lse + (b * p.n + n) * p.t;
         const float* delta = p.delta + (b * p.n + n) * p.t;
         float* dq = p.dq_accum + b * p.t * p.n * H + n * H;  // fp32 (T, N, H) slice
-        // causal: query tiles wholly above this key tile see none of it
-        const int64_t m_begin = p.is_causal ? (n0 / kBlockM) * kBlockM : 0;
-        for (int64_t m0 = m_begin; m0 < p.t; m0 += kBlockM) {
-          const int64_t rows = std::min(kBlockM, p.t - m0);
-          load_tile(q, p.q_row_stride, m0, rows, H, sQ.data());
-          load_tile(dout, p.do_row_stride, m0, rows, Hv, sdO.data());
-          for (int64_t i = 0; i < rows; ++i) {
-            const float li = lse[m0 + i];
-            for (int64_t j = 0; j < cols; ++j) {
-              // P = exp(scale * q.k - lse): the forward's probabilities, recomputed
-              float dot = 0.f;
-              for (int64_t d = 0; d < H; ++d) dot += sQ[i * H + d] * sK[j * H + d];
-              const bool vis = visible(p, m0 + i, n0 + j) && li != kNegInf;
-              const float pij = vis ? std::exp(dot * p.scale - li) : 0.f;
-              // dP = dO V^T ; dS = P * (dP - delta)
-              float dp = 0.f;
-              for (int64_t d = 0; d < Hv; ++d) dp += sdO[i * Hv + d] * sV[j * Hv + d];
-              P[i * kBlockN + j] = pij;
-              dS[i * kBlockN + j] = vis ? pij * (dp - delta[m0 + i]) : 0.f;
-            }
-          }
+        int64_t lo = 0, hi = 0;
+        if (!hd.query_range(n0, cols, lo, hi)) continue;  // no query sees this key tile
+        for (int64_t m0 = lo; m0 < hi; m0 += kBlockM) {
+          const int64_t rows = std::min(kBlockM, hi - m0);
+          if (!hd.tile_live(m0, rows, n0, cols)) continue;
+          load_tile(q_at(b, n), p.q_row_stride, m0, rows, H, sQ.data());
+          load_tile(do_at(b, n), p.do_row_stride, m0, rows, Hv, sdO.data());
+          grad_tile(hd, lse, delta, m0, rows, n0, cols, sQ.data(), sK.data(), sV.data(),
+                    sdO.data(), H, Hv, Pd.data(), dS.data(), dR.data());
           for (int64_t j = 0; j < cols; ++j)
             for (int64_t i = 0; i < rows; ++i) {
-              const float pij = P[i * kBlockN + j], dsij = dS[i * kBlockN + j] * p.scale;
+              const float pij = Pd[i * kBlockN + j], drij = dR[i * kBlockN + j];
               for (int64_t d = 0; d < Hv; ++d) dV[j * Hv + d] += pij * sdO[i * Hv + d];  // dV += P^T dO
-              for (int64_t d = 0; d < H; ++d) dK[j * H + d] += dsij * sQ[i * H + d];    // dK += dS^T Q
+              for (int64_t d = 0; d < H; ++d) dK[j * H + d] += drij * sQ[i * H + d];    // dK += dS^T Q
             }
           for (int64_t i = 0; i < rows; ++i) {
             float* dqi = dq + (m0 + i) * p.n * H;
             for (int64_t j = 0; j < cols; ++j) {
-              const float dsij = dS[i * kBlockN + j] * p.scale;
-              for (int64_t d = 0; d < H; ++d) dqi[d] += dsij * sK[j * H + d];  // dQ += dS K
+              const float drij = dR[i * kBlockN + j];
+              for (int64_t d = 0; d < H; ++d) dqi[d] += drij * sK[j * H + d];  // dQ += dS K
             }
           }
+          if (p.dalibi)  // d logit / d slope = -|s - (t + shift)|
+            for (int64_t i = 0; i < rows; ++i)
+              for (int64_t j = 0; j < cols; ++j)
+                dslope[g] -= dS[i * kBlockN + j] * float(std::abs(n0 + j - (m0 + i + hd.shift)));
         }
       }
       for (int64_t j = 0; j < cols; ++j) {
@@ -242,6 +463,8 @@ void bwd_typed(const BwdParams& p) {
         for (int64_t d = 0; d < Hv; ++d) from_float(dV[j * Hv + d], dv[(n0 + j) * p.dv_row_stride + d]);
       }
     }
+    if (p.dalibi)
+      for (int64_t g = 0; g < G; ++g) p.dalibi[b * p.n + kh * G + g] = dslope[g];
   });
 
   parallel_for(p.b * p.t, [&](int64_t bt) {
@@ -251,6 +474,8 @@ void bwd_typed(const BwdParams& p) {
     for (int64_t n = 0; n < p.n; ++n)
       for (int64_t d = 0; d < H; ++d) from_float(acc[n * H + d], dq[n * p.dq_head_stride + d]);
   });
+
+  if (p.dbias) dbias_typed<T>(p);
 }
 
 template <template <typename> class Fn, typename P>

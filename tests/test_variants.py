@@ -1,0 +1,355 @@
+"""Attention variants (issue 4) against the reference, for every implementation.
+
+Each case runs the implementation on bf16 inputs and checks out, lse, dq, dk, dv (and dbias,
+dalibi) with the accuracy rule against the reference on float32 copies; the reference on the
+bf16 inputs gives the error bar. Shapes are small, with lengths that are not tile multiples.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from common import IMPLEMENTATIONS, assert_accurate, on_device
+from jaxflash.reference import attention_reference, dropout_keep, dropout_seeds
+
+B, T, S, N, K, H, HV = 2, 37, 70, 4, 2, 24, 16
+DTYPE = jnp.bfloat16
+# the module (jaxflash.attention the attribute is the function)
+attention_mod = importlib.import_module("jaxflash.attention")
+
+
+def _rand(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+def _ids(seed, length, docs):
+  """Sorted segment ids (packed documents) of shape (B, length)."""
+  cuts = jax.random.randint(jax.random.PRNGKey(seed), (B, length), 0, docs)
+  return jnp.sort(cuts, axis=-1).astype(jnp.int32)
+
+
+LENGTHS = dict(query_seq_lengths=jnp.array([29, 0], jnp.int32),
+               key_value_seq_lengths=jnp.array([51, 70], jnp.int32))
+
+# name -> (static kwargs, differentiable kwargs)
+CASES = {
+    "lengths_causal": (dict(is_causal=True, **LENGTHS), {}),
+    "bottom_right_causal": (dict(is_causal=True, causal_alignment="bottom_right"), {}),
+    "bottom_right_lengths_window": (dict(is_causal=True, causal_alignment="bottom_right",
+                                         local_window_size=(9, 0), **LENGTHS), {}),
+    "window_int": (dict(local_window_size=7), {}),
+    "window_pair_causal": (dict(local_window_size=(12, 3), is_causal=True), {}),
+    "segments_causal_window": (dict(query_segment_ids=_ids(1, T, 3),
+                                    key_value_segment_ids=_ids(2, S, 3),
+                                    is_causal=True, local_window_size=(20, 20)), {}),
+    "softcap_alibi": (dict(logits_soft_cap=1.5), dict(alibi_slopes=jnp.abs(_rand(2, (N,))))),
+    "alibi_batched_bottom_right": (dict(causal_alignment="bottom_right", is_causal=True),
+                                   dict(alibi_slopes=jnp.abs(_rand(3, (B, N))))),
+    "mask_lengths": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(4), 0.6, (B, 1, T, S)),
+                          **LENGTHS), {}),
+    "mask_rank2_causal": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(5), 0.3, (T, S)),
+                               is_causal=True), {}),
+    "bias_heads_rows_causal": (dict(is_causal=True), dict(bias=_rand(6, (1, N, T, 1)))),
+    "bias_full_mask": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, (B, N, T, S))),
+                       dict(bias=_rand(8, (B, N, T, S)))),
+    "bias_keys_lengths_f32": (dict(**LENGTHS), dict(bias=_rand(9, (B, 1, 1, S)))),
+    "dropout_window": (dict(dropout_rate=0.25, dropout_rng=jax.random.key(10),
+                            local_window_size=(30, 5)), {}),
+    "everything": (dict(is_causal=True, causal_alignment="bottom_right",
+                        local_window_size=(25, 2), logits_soft_cap=3.0, dropout_rate=0.1,
+                        dropout_rng=jax.random.key(11), query_segment_ids=_ids(12, T, 2),
+                        key_value_segment_ids=_ids(12, S, 2), **LENGTHS,
+                        mask=jax.random.bernoulli(jax.random.PRNGKey(13), 0.8, (1, N, T, S))),
+                   dict(bias=_rand(14, (B, N, 1, S)), alibi_slopes=jnp.abs(_rand(15, (N,))))),
+}
+
+
+def _cast(tree, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+def _loss_and_grads(fn, q, k, v, diff, dout, dlse):
+  """(out, lse) and grads of sum(out * dout) + sum(finite lse * dlse) w.r.t. q, k, v, diff."""
+  def loss(q, k, v, diff):
+    out, lse = fn(q, k, v, diff)
+    lse = jnp.where(jnp.isinf(lse), 0.0, lse)
+    return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(lse * dlse), (out, lse)
+  (_, res), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, diff)
+  return res, grads
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_variant(impl, case):
+  static, diff = CASES[case]
+  q = _rand(20, (B, T, N, H), DTYPE)
+  k = _rand(21, (B, S, K, H), DTYPE)
+  v = _rand(22, (B, S, K, HV), DTYPE)
+  dout = _rand(23, (B, T, N, HV))
+  dlse = _rand(24, (B, N, T))
+  if case.endswith("f32"):
+    q, k, v = _cast((q, k, v), jnp.float32)
+  dtype = q.dtype.type  # the scalar type keys common.ATOL
+
+  def impl_fn(q, k, v, diff):
+    return jaxflash.attention(q, k, v, implementation=impl, return_residual=True, **static,
+                              **diff)
+
+  def ref_fn(q, k, v, diff):
+    kw = dict(static, **diff)
+    kw["bias"] = kw.get("bias", None)
+    if kw["bias"] is not None and kw["bias"].ndim < 4:
+      kw["bias"] = kw["bias"].reshape((1,) * (4 - kw["bias"].ndim) + kw["bias"].shape)
+    if kw.get("mask") is not None and kw["mask"].ndim < 4:
+      kw["mask"] = kw["mask"][None, None]
+    return attention_reference(q, k, v, **kw)
+
+  with on_device(impl):
+    (out, lse), grads = jax.jit(lambda *a: _loss_and_grads(impl_fn, *a))(
+        q, k, v, _cast(diff, dtype), dout, dlse)
+  (r_out, r_lse), r_grads = _loss_and_grads(ref_fn, *_cast((q, k, v, diff), jnp.float32),
+                                            dout, dlse)
+  (l_out, l_lse), l_grads = _loss_and_grads(ref_fn, q, k, v, _cast(diff, dtype), dout, dlse)
+
+  assert out.dtype == q.dtype and out.shape == (B, T, N, HV)
+  assert_accurate("out", out, r_out, l_out, dtype)
+  assert_accurate("lse", lse, r_lse, l_lse, dtype)
+  names = ["dq", "dk", "dv"] + [f"d{n}" for n in sorted(diff)]
+  for name, g, r, lo in zip(names, jax.tree.leaves(grads), jax.tree.leaves(r_grads),
+                            jax.tree.leaves(l_grads)):
+    assert g.shape == r.shape, name
+    assert_accurate(name, g, r, lo, dtype)
+
+
+@pytest.mark.parametrize("impl", ["cpu"])
+def test_fully_masked_rows(impl):
+  """Rows past a length of 0 or with an all-False mask row: out 0, lse -inf, grads 0, no NaN."""
+  q = _rand(30, (B, T, N, H))
+  k = _rand(31, (B, S, K, H))
+  v = _rand(32, (B, S, K, HV))
+  mask = jnp.ones((1, 1, T, S), bool).at[..., 5, :].set(False)
+  kw = dict(query_seq_lengths=jnp.array([T, 10], jnp.int32),
+            key_value_seq_lengths=jnp.array([0, S], jnp.int32), mask=mask, is_causal=True)
+  bias = _rand(33, (B, N, T, S))
+
+  def loss(q, k, v, bias):
+    out, lse = jaxflash.attention(q, k, v, bias, implementation=impl, return_residual=True,
+                                  **kw)
+    return jnp.sum(out) + jnp.sum(jnp.where(jnp.isinf(lse), 0.0, lse)), (out, lse)
+
+  (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
+      q, k, v, bias)
+  dq, dk, dv, dbias = grads
+  for x in (out, dq, dk, dv, dbias):
+    assert not jnp.isnan(x).any()
+  assert (out[0] == 0).all() and (lse[0] == -jnp.inf).all()  # kv length 0
+  assert (out[1, 10:] == 0).all() and (lse[1, :, 10:] == -jnp.inf).all()  # past q length
+  assert (out[1, 5] == 0).all() and (lse[1, :, 5] == -jnp.inf).all()  # all-False mask row
+  assert (dq[0] == 0).all() and (dk[0] == 0).all() and (dv[0] == 0).all()
+  assert (dq[1, 10:] == 0).all() and (dbias[1, :, 10:] == 0).all() and (dbias[0] == 0).all()
+  assert jnp.isfinite(lse[1, :, :5]).all()
+
+
+def test_vmap_and_vmap_of_grad():
+  """vmap over a leading axis (bias unbatched, mask/lengths/segments/dropout keys batched)
+  gives, per element, the unbatched call; and so does vmap of grad."""
+  V = 3
+  q = _rand(40, (V, B, T, N, H))
+  k = _rand(41, (V, B, S, K, H))
+  v = _rand(42, (V, B, S, K, HV))
+  bias = _rand(43, (1, N, T, S))
+  mask = jax.random.bernoulli(jax.random.PRNGKey(44), 0.7, (V, B, 1, T, S))
+  lengths = jnp.array([[30, 5], [37, 0], [1, 20]], jnp.int32)
+  qseg = jnp.stack([_ids(45 + i, T, 2) for i in range(V)])
+  kvseg = jnp.stack([_ids(45 + i, S, 2) for i in range(V)])
+  keys = jax.random.split(jax.random.key(46), V)
+
+  def f(q, k, v, bias, mask, lengths, qseg, kvseg, key):
+    out, lse = jaxflash.attention(q, k, v, bias, mask, implementation="cpu",
+                                  query_seq_lengths=lengths, is_causal=True,
+                                  query_segment_ids=qseg, key_value_segment_ids=kvseg,
+                                  dropout_rate=0.2, dropout_rng=key, return_residual=True)
+    return out, lse
+
+  def g(*args):
+    loss = lambda q, k, v, bias: jnp.sum(f(q, k, v, bias, *args[4:])[0] ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(*args[:4])
+
+  axes = (0, 0, 0, None, 0, 0, 0, 0, 0)
+  args = (q, k, v, bias, mask, lengths, qseg, kvseg, keys)
+  outs = jax.jit(jax.vmap(f, axes))(*args)
+  grads = jax.jit(jax.vmap(g, axes))(*args)
+  dbias_sum = 0.0
+  for i in range(V):
+    one = [a if ax is None else a[i] for a, ax in zip(args, axes)]
+    for got, want in zip(outs, jax.jit(f)(*one)):
+      np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+    want_g = jax.jit(g)(*one)
+    for got, want in zip(grads, want_g):  # vmap of grad: per-element grads, bias included
+      np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+    dbias_sum = dbias_sum + want_g[3]
+  # grad of vmap: the unbatched bias gets its cotangent summed over the vmapped axis
+  loss = lambda bias: jnp.sum(jax.vmap(f, axes)(q, k, v, bias, *args[4:])[0] ** 2)
+  np.testing.assert_allclose(jax.jit(jax.grad(loss))(bias), dbias_sum, rtol=1e-4, atol=1e-4)
+
+
+def test_dropout_mask_properties():
+  """Reproducible per key, different across keys, and dropping at the requested rate."""
+  seeds_a = dropout_seeds(jax.random.key(0), 2)
+  seeds_b = dropout_seeds(jax.random.key(1), 2)
+  keep_a = dropout_keep(seeds_a, 4, 64, 256, 0.3)
+  assert (keep_a == dropout_keep(seeds_a, 4, 64, 256, 0.3)).all()
+  assert (keep_a != dropout_keep(seeds_b, 4, 64, 256, 0.3)).mean() > 0.3
+  assert (keep_a[0] != keep_a[1]).mean() > 0.3  # batch elements differ
+  assert abs(float(keep_a.mean()) - 0.7) < 0.01
+  assert abs(float(dropout_keep(seeds_b, 4, 64, 256, 0.05).mean()) - 0.95) < 0.005
+
+  q, k, v = _rand(50, (B, T, N, H)), _rand(51, (B, S, K, H)), _rand(52, (B, S, K, HV))
+  run = jax.jit(lambda key: jaxflash.attention(q, k, v, implementation="cpu",
+                                               dropout_rate=0.3, dropout_rng=key))
+  out0 = run(jax.random.key(3))
+  assert (out0 == run(jax.random.key(3))).all()
+  assert not jnp.allclose(out0, run(jax.random.key(4)))
+
+
+def test_deterministic_backward_is_bit_identical():
+  q, k, v = _rand(60, (B, T, N, H)), _rand(61, (B, S, K, H)), _rand(62, (B, S, K, HV))
+  bias = _rand(63, (1, 1, T, S))
+  loss = lambda q, k, v, bias: jnp.sum(jaxflash.attention(
+      q, k, v, bias, is_causal=True, implementation="cpu", deterministic_backward=True) ** 2)
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  first = grad(q, k, v, bias)
+  for _ in range(3):
+    for a, b in zip(first, grad(q, k, v, bias)):
+      assert (np.asarray(a).view(np.uint32) == np.asarray(b).view(np.uint32)).all()
+
+
+def _qkv():
+  return _rand(70, (B, T, N, H)), _rand(71, (B, S, K, H)), _rand(72, (B, S, K, HV))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bias=jnp.ones((B, N, T, 3))), "bias"),
+    (dict(bias=jnp.ones((B, N, T, S), jnp.int32)), "bias"),
+    (dict(mask=jnp.ones((B, N, T, S), jnp.float32)), "mask"),
+    (dict(mask=jnp.ones((3, 1, T, S), bool)), "mask"),
+    (dict(query_seq_lengths=jnp.ones((B,), jnp.float32)), "query_seq_lengths"),
+    (dict(key_value_seq_lengths=jnp.ones((B + 1,), jnp.int32)), "key_value_seq_lengths"),
+    (dict(local_window_size=(1, 2, 3)), "local_window_size"),
+    (dict(local_window_size=-1), "local_window_size"),
+    (dict(causal_alignment="center"), "causal_alignment"),
+    (dict(query_segment_ids=jnp.zeros((B, T), jnp.int32)), "segment_ids"),
+    (dict(query_segment_ids=jnp.zeros((B, T)), key_value_segment_ids=jnp.zeros((B, S))),
+     "query_segment_ids"),
+    (dict(query_segment_ids=jnp.zeros((B, T), jnp.int32),
+          key_value_segment_ids=jnp.zeros((B, T), jnp.int32)), "key_value_segment_ids"),
+    (dict(logits_soft_cap=0.0), "logits_soft_cap"),
+    (dict(alibi_slopes=jnp.ones((N + 1,))), "alibi_slopes"),
+    (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), "dropout_rate"),
+    (dict(dropout_rate=0.1), "dropout_rng"),
+])
+@pytest.mark.parametrize("impl", [None, "cpu", "xla"])
+def test_invalid_arguments(impl, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jaxflash.attention(*_qkv(), implementation=impl, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(bias=jnp.ones((1, 1, T, S))), "bias"),
+    (dict(local_window_size=3), "local_window_size"),
+    (dict(causal_alignment="bottom_right"), "causal_alignment"),
+    (dict(logits_soft_cap=2.0), "logits_soft_cap"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate"),
+    (dict(deterministic_backward=True), "deterministic_backward"),
+])
+def test_cuda_routing_of_variants(monkeypatch, kwargs, name):
+  """Where the CUDA kernels would run, a variant they lack makes implementation='cuda' raise
+  a ValueError naming it, and implementation=None fall back to 'xla' on GPU."""
+  monkeypatch.setattr(attention_mod._ffi, "cuda_built", lambda: True)
+  monkeypatch.setattr(attention_mod._ffi, "cuda_head_dims", lambda: (H,))
+  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
+  v = jnp.concatenate([v, v[..., : H - HV]], axis=-1)  # equal head dims, as CUDA needs
+  with pytest.raises(ValueError, match=name):
+    jaxflash.attention(q, k, v, implementation="cuda", **kwargs)
+  seen = []
+  real = attention_mod._flash
+  monkeypatch.setattr(attention_mod, "_flash",
+                      lambda q, k, v, ops, cfg: seen.append(cfg) or real(q, k, v, ops, cfg))
+  jaxflash.attention(q, k, v, **kwargs)
+  assert seen[0].cuda == "xla" and seen[0].cpu == "cpu"
+  seen.clear()
+  jaxflash.attention(q, k, v)
+  assert seen[0].cuda == "cuda"
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("self_attention", [True, False], ids=["self_causal_window", "cross"])
+def test_varlen_matches_per_sequence(impl, self_attention):
+  """attention_varlen on packed tokens equals the reference run on each sequence alone;
+  tokens past the last sequence give out 0, lse -inf; grads match too."""
+  cu_q = np.array([0, 13, 13, 50, 61], np.int32)  # an empty sequence; 4 trailing pad tokens
+  cu_k = cu_q if self_attention else np.array([0, 30, 35, 35, 70], np.int32)
+  Tq, Tk = 65, 72
+  q, k, v = _rand(80, (Tq, N, H)), _rand(81, (Tk, K, H)), _rand(82, (Tk, K, HV))
+  dout = _rand(83, (Tq, N, HV))
+  kw = dict(is_causal=True, local_window_size=(9, 0)) if self_attention else {}
+  cu_k_arg = None if self_attention else jnp.asarray(cu_k)
+
+  def packed(q, k, v):
+    out, lse = jaxflash.attention_varlen(q, k, v, jnp.asarray(cu_q), cu_k_arg, 37, 35,
+                                         implementation=impl, return_residual=True, **kw)
+    return jnp.sum(out * dout), (out, lse)
+
+  def per_sequence(q, k, v):
+    outs, lses = [], []
+    for i in range(len(cu_q) - 1):
+      sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+      o, l = attention_reference(q[None, sq], k[None, sk], v[None, sk], **kw)
+      outs.append(o[0])
+      lses.append(l[0])
+    out = jnp.concatenate(outs + [jnp.zeros((Tq - cu_q[-1], N, HV))])
+    lse = jnp.concatenate(lses + [jnp.full((N, Tq - cu_q[-1]), -jnp.inf)], axis=1)
+    return jnp.sum(out * dout), (out, lse)
+
+  with on_device(impl):
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(packed, (0, 1, 2), has_aux=True))(
+        q, k, v)
+  (_, (r_out, r_lse)), r_grads = jax.value_and_grad(per_sequence, (0, 1, 2), has_aux=True)(
+      q, k, v)
+  assert (lse[:, cu_q[-1]:] == -jnp.inf).all() and (out[cu_q[-1]:] == 0).all()
+  for name, got, want in zip(["out", "lse", "dq", "dk", "dv"], (out, lse, *grads),
+                             (r_out, r_lse, *r_grads)):
+    assert_accurate(name, got, want, want, jnp.float32)
+
+
+def test_varlen_rejects_positions_for_cross_attention():
+  q, k, v = _rand(90, (10, N, H)), _rand(91, (12, K, H)), _rand(92, (12, K, HV))
+  with pytest.raises(NotImplementedError, match="is_causal"):
+    jaxflash.attention_varlen(q, k, v, jnp.array([0, 10], jnp.int32),
+                              jnp.array([0, 12], jnp.int32), is_causal=True)
+  with pytest.raises(ValueError, match="cu_seqlens_q"):
+    jaxflash.attention_varlen(q, k, v, jnp.array([0.0, 10.0]))
+  with pytest.raises(ValueError, match="max_seqlen_q"):
+    jaxflash.attention_varlen(q, k, v, jnp.array([0, 10], jnp.int32), max_seqlen_q=11)
+
+
+@pytest.mark.parametrize("name, bad, match", [
+    ("mask", jnp.ones((B, N, T, S + 1), bool), "mask has shape"),
+    ("bias", jnp.ones((B, N, T, S), jnp.bfloat16), "bias must have q's dtype"),
+    ("query_seq_lengths", jnp.ones((B + 1,), jnp.int32), "q_lengths must be int32"),
+    ("alibi_slopes", jnp.ones((B, N), jnp.int32), "alibi_slopes must be float32"),
+])
+def test_handler_validates_variant_operands(name, bad, match):
+  """The CPU target re-validates every live variant operand and returns an error, no crash."""
+  from jaxflash import _calls
+  q, k, v = _qkv()
+  operands, attrs = _calls._variant_inputs(q, {name: bad}, None, False, None, 0.0)
+  call = jax.ffi.ffi_call("jaxflash_fwd_cpu", (jax.ShapeDtypeStruct((B, T, N, HV), q.dtype),
+                                               jax.ShapeDtypeStruct((B, N, T), jnp.float32)))
+  with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=match):
+    jax.block_until_ready(call(q, k, v, *operands, scale=np.float32(0.1), is_causal=False,
+                               **attrs))
