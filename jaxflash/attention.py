@@ -102,6 +102,9 @@ def _reference(q, k, v, ops, cfg: _Config):
       dropout_seeds_=ops["dropout_seeds"])
 
 
+# The variant operands of a call that uses none of them.
+NO_VARIANTS = {name: None for name, _ in _calls.VARIANT_OPERANDS}
+
 # Axes of each variant operand for sharding.shard_local: B and N may be split over devices,
 # every other letter is kept whole on each device.
 _OPERAND_AXES = dict(bias="BNTS", mask="BNTS", query_seq_lengths="B", key_value_seq_lengths="B",
@@ -336,8 +339,8 @@ def _check_bcast(name, x, full, dtype):
   if any(d not in (1, f) for d, f in zip(x.shape, full)):
     raise ValueError(f"{name} shape {x.shape} is not broadcastable to (B, N, T, S) = {full}: "
                      "each dim must be full or 1")
-  if dtype is not None and x.dtype != dtype:
-    raise ValueError(f"{name} dtype must be {jnp.dtype(dtype).name}, got {x.dtype}")
+  if dtype == jnp.bool_ and x.dtype != jnp.bool_:
+    x = x != 0  # as jax.nn: a numeric mask attends where it is nonzero
   if dtype is None and not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"{name} dtype must be floating, got {x.dtype}")
   return x

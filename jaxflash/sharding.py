@@ -173,10 +173,16 @@ def shard_local(fn, in_axes, out_axes):
       a = jnp.broadcast_to(a, shape)  # a broadcast (size-1) batch axis becomes B
       merged.append(a.reshape(a.shape[:b] + (axis_size * B,) + a.shape[b + 2:]))
     outs = call(*merged)
+    # An output with a size-1 batch axis is the cotangent of a broadcast operand (dbias of a
+    # (1, N, T, S) bias): the broadcast above is undone by summing over it.
+    unmapped = _out_shapes(fn, [jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
+                                for a, b in zip(args, in_batched)])
     split = []
-    for o, ax in zip(outs, out_axes):
+    for o, ax, shape in zip(outs, out_axes, unmapped):
       b = ax.index("B")
       o = o.reshape(o.shape[:b] + (axis_size, B) + o.shape[b + 1:])
+      if shape[b] == 1 and B > 1:
+        o = jnp.sum(o, axis=b + 1, keepdims=True, dtype=jnp.float32).astype(o.dtype)
       split.append(jnp.moveaxis(o, b, 0))
     return tuple(split), tuple(True for _ in outs)
 
@@ -255,12 +261,13 @@ def _attention_module():
 
 def _block_fwd(rc, q, k, v, causal):
   A = _attention_module()
-  return A._run_fwd(q, k, v, dataclasses.replace(rc.cfg, is_causal=causal))
+  return A._run_fwd(q, k, v, A.NO_VARIANTS, dataclasses.replace(rc.cfg, is_causal=causal))
 
 
 def _block_bwd(rc, q, k, v, out, lse, dout, dlse, causal):
   A = _attention_module()
-  return A._run_bwd(q, k, v, out, lse, dout, dlse, dataclasses.replace(rc.cfg, is_causal=causal))
+  cfg = dataclasses.replace(rc.cfg, is_causal=causal)
+  return A._run_bwd(q, k, v, A.NO_VARIANTS, out, lse, dout, dlse, cfg)[:3]
 
 
 def _shift(xs, axis_name, size):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import _ffi
+from jaxflash import _calls, _ffi
 from common import random_qkv
 
 Q, K, V = random_qkv(0, 2, 16, 16, 4, 2, 64, jnp.float32)
@@ -34,19 +34,6 @@ def test_unknown_implementation():
     jaxflash.attention(Q, K, V, implementation="triton")
 
 
-@pytest.mark.parametrize("name, value", [
-    ("bias", jnp.zeros((2, 4, 16, 16))),
-    ("mask", jnp.ones((2, 4, 16, 16), bool)),
-    ("query_seq_lengths", jnp.array([3, 16])),
-    ("key_value_seq_lengths", jnp.array([3, 16])),
-    ("local_window_size", 4),
-])
-def test_variants_not_in_kernels_yet_are_not_ignored(name, value):
-  with pytest.raises(NotImplementedError, match=f"`{name}`"):
-    jaxflash.attention(Q, K, V, **{name: value}, implementation="cpu")
-  jaxflash.attention(Q, K, V, **{name: value}, implementation="xla")  # the reference takes them
-
-
 def test_cuda_request_without_cuda_says_why():
   if _ffi.cuda_built() and jax.default_backend() == "gpu":
     with pytest.raises(ValueError, match="float16 or bfloat16"):
@@ -71,12 +58,15 @@ def test_cuda_request_without_cuda_says_why():
 def test_handler_validates_and_returns_an_error(outs, match):
   """Calling the FFI target directly with malformed buffers fails cleanly, no crash."""
   call = jax.ffi.ffi_call("jaxflash_fwd_cpu", outs(Q))
+  ops, attrs = _calls._variant_inputs(Q, None, None, False, None, 0.0)
   with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=match):
-    jax.block_until_ready(call(Q, K, V, scale=np.float32(0.1), is_causal=False))
+    jax.block_until_ready(call(Q, K, V, *ops, scale=np.float32(0.1), is_causal=False, **attrs))
 
 
 def test_handler_rejects_gqa_mismatch():
   call = jax.ffi.ffi_call("jaxflash_fwd_cpu", (jax.ShapeDtypeStruct((2, 16, 3, 64), Q.dtype),
                                                jax.ShapeDtypeStruct((2, 3, 16), jnp.float32)))
+  ops, attrs = _calls._variant_inputs(Q, None, None, False, None, 0.0)
   with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match="multiple"):
-    jax.block_until_ready(call(Q[:, :, :3], K, V, scale=np.float32(0.1), is_causal=False))
+    jax.block_until_ready(call(Q[:, :, :3], K, V, *ops, scale=np.float32(0.1),
+                               is_causal=False, **attrs))

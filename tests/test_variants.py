@@ -228,6 +228,15 @@ def test_deterministic_backward_is_bit_identical():
       assert (np.asarray(a).view(np.uint32) == np.asarray(b).view(np.uint32)).all()
 
 
+def test_numeric_mask_attends_where_nonzero():
+  """As in jax.nn (and Flax's float masks): a numeric mask means mask != 0."""
+  mask = jax.random.bernoulli(jax.random.PRNGKey(9), 0.5, (B, 1, T, S))
+  q, k, v = _qkv()
+  want = jaxflash.attention(q, k, v, mask=mask, implementation="cpu")
+  got = jaxflash.attention(q, k, v, mask=mask.astype(jnp.float32) * 3, implementation="cpu")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def _qkv():
   return _rand(70, (B, T, N, H)), _rand(71, (B, S, K, H)), _rand(72, (B, S, K, HV))
 
@@ -235,7 +244,6 @@ def _qkv():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(bias=jnp.ones((B, N, T, 3))), "bias"),
     (dict(bias=jnp.ones((B, N, T, S), jnp.int32)), "bias"),
-    (dict(mask=jnp.ones((B, N, T, S), jnp.float32)), "mask"),
     (dict(mask=jnp.ones((3, 1, T, S), bool)), "mask"),
     (dict(query_seq_lengths=jnp.ones((B,), jnp.float32)), "query_seq_lengths"),
     (dict(key_value_seq_lengths=jnp.ones((B + 1,), jnp.int32)), "key_value_seq_lengths"),
