@@ -36,6 +36,9 @@ for stage in "$@"; do
     sanitize) for tool in memcheck racecheck; do
         timeout 240 compute-sanitizer --tool $tool --kernel-name regex:'flash|main_kernel|preprocess|convert' \
           python3 benchmarks/profile_kernels.py --small --reps 1 2>&1 | tail -4 | tee -a "$OUT/sanitize.log"; done ;;
+    ring) timeout 400 python3 benchmarks/ring_scaling.py --out "$OUT/ring_scaling" 2>&1 | tee "$OUT/ring.log"
+        timeout 180 python3 benchmarks/ring_scaling.py --gpus 4 --tokens-per-gpu 262144 --warmup 1 \
+          --iters 2 --out "$OUT/ring_1m" 2>&1 | tail -3 | tee -a "$OUT/ring.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -62,6 +62,36 @@ def run(num_gpus, tokens_per_gpu, heads, kv_heads, head_dim, warmup, iters):
               fwd_bwd_tflops=3.5 * f / t_all / 1e12)
 
 
+def check(num_gpus, head_dim):
+  """Ring attention (causal zigzag, GQA) on `num_gpus` devices against the float32 reference:
+  out, lse, dq, dk, dv under the accuracy rule. Raises if any is off."""
+  from jaxflash.check import check_against_reference
+  mesh = jax.make_mesh((num_gpus,), ("sp",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:num_gpus])
+  def attn(q, k, v, return_residual, is_causal):
+    ring = jax.shard_map(
+        functools.partial(jaxflash.ring_attention, axis_name="sp", is_causal=is_causal,
+                          return_residual=return_residual),
+        mesh=mesh, in_specs=P(None, "sp"), out_specs=(P(None, "sp"), P(None, None, "sp")))
+    zz = lambda x: jaxflash.zigzag_permute(x, num_gpus)
+    out, lse = ring(zz(q), zz(k), zz(v))
+    return (jaxflash.zigzag_unpermute(out, num_gpus),
+            jaxflash.zigzag_unpermute(lse, num_gpus, axis=2))
+
+  T, N, K = 256 * num_gpus, 8, 2
+  ks = jax.random.split(jax.random.key(1), 5)
+  rand = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+  q, k, v = rand(ks[0], (1, T, N, head_dim)), rand(ks[1], (1, T, K, head_dim)), rand(
+      ks[2], (1, T, K, head_dim))
+  dout, dlse = rand(ks[3], (1, T, N, head_dim)), jax.random.normal(ks[4], (1, N, T))
+  errors = check_against_reference(attn, q, k, v, dout, dlse, is_causal=True)
+  bad = {n: e for n, e in errors.items() if not e[0] <= e[1]}
+  print(f"ring attention on {num_gpus} GPU(s) vs reference: " + ", ".join(
+      f"{n} {e[0]:.1e} (bound {e[1]:.1e})" for n, e in errors.items()))
+  if bad:
+    raise AssertionError(f"ring attention on {num_gpus} GPUs is off: {bad}")
+
+
 def environment():
   dev = jax.devices()[0]
   try:
@@ -91,6 +121,8 @@ def main():
   args = ap.parse_args()
 
   gpus = [g for g in args.gpus if g <= jax.device_count()]
+  for g in gpus:
+    check(g, args.head_dim)
   rows = [run(g, args.tokens_per_gpu, args.heads, args.kv_heads, args.head_dim, args.warmup,
               args.iters) for g in gpus]
   for r in rows:
