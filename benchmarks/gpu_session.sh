@@ -39,6 +39,9 @@ for stage in "$@"; do
     ring) timeout 400 python3 benchmarks/ring_scaling.py --out "$OUT/ring_scaling" 2>&1 | tee "$OUT/ring.log"
         timeout 180 python3 benchmarks/ring_scaling.py --gpus 4 --tokens-per-gpu 262144 --warmup 1 \
           --iters 2 --out "$OUT/ring_1m" 2>&1 | tail -3 | tee -a "$OUT/ring.log" ;;
+    flax) timeout 300 python3 examples/train_lm.py --benchmark --seq-len 8192 --batch-size 1 \
+        --features 1024 --num-heads 8 --num-kv-heads 8 --num-layers 2 --dtype bfloat16 \
+        --bench-steps 10 2>&1 | tee "$OUT/flax_bench.log" | grep -v "\]" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
