@@ -13,15 +13,18 @@ which take the same arguments, build the same parameter tree, and add `is_causal
 causal kernel instead of a dense causal mask) and `implementation`.
 
 How Flax's keywords map onto jaxflash (`dot_product_attention`):
-  mask, bias        passed to `jaxflash.attention`. While the kernels do not take them yet
-                    (they raise NotImplementedError), that call runs `implementation='xla'`,
-                    the pure-JAX reference: correct, only slower. Prefer `is_causal` over a
-                    dense causal mask. A row whose keys are all masked gives 0 (Flax gives
-                    the mean of the values).
+  mask, bias        passed to `jaxflash.attention` (the kernels take both; bias is
+                    differentiable). Prefer `is_causal` over a dense causal mask. A row whose
+                    keys are all masked gives 0 (Flax gives the mean of the values).
   is_causal         the causal kernel (top-left aligned, as Flax and jax.nn).
-  dropout_*         no implementation has attention dropout: dropout_rate > 0 with
-                    deterministic=False raises NotImplementedError; otherwise no dropout
-                    happens, as in Flax, and dropout_rng / broadcast_dropout have no effect.
+  dropout_*         with dropout_rate > 0 and deterministic=False, jaxflash's attention
+                    dropout with `dropout_rng` (a hash of (seed[b], n, t, s), see
+                    `jaxflash.reference.dropout_keep`; the batch dims are folded into b).
+                    It needs broadcast_dropout=False: Flax's default True shares one (T, S)
+                    mask across every batch dim and head, which the kernels cannot draw
+                    (the head index is always hashed), so it raises NotImplementedError.
+                    Either way the masks are not Flax's bits, only the same distribution.
+                    Otherwise no dropout happens, as in Flax.
   dtype             casts query, key and value to it (default: their promoted dtype), as
                     Flax does; jaxflash takes float32, float16 and bfloat16.
   precision         the kernels have a fixed precision: products of the input dtype with
@@ -100,21 +103,9 @@ def _attention_weights(q, k, bias, mask, is_causal, lse):
   logits = logits / math.sqrt(H)
   if bias is not None:
     logits = logits + bias.astype(q.dtype).astype(jnp.float32)
-  vis = visibility(T, S, is_causal=is_causal, mask=mask)
+  vis = visibility(B, T, S, is_causal=is_causal, mask=mask)
   weights = jnp.where(vis, jnp.exp(logits - lse[..., None]), 0.0)
   return weights.astype(q.dtype)
-
-
-def _run(q, k, v, bias, mask, is_causal, implementation, return_residual):
-  run = functools.partial(jaxflash.attention, q, k, v, bias, mask, is_causal=is_causal,
-                          return_residual=return_residual)
-  if implementation is None and (bias is not None or mask is not None):
-    try:
-      return run()
-    except NotImplementedError:
-      # the kernels do not take mask/bias yet: the reference is correct, only slower
-      return run(implementation="xla")
-  return run(implementation=implementation)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -129,7 +120,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     key, value: [batch..., S, K, H]; N must be a multiple of K (GQA).
     bias, mask: broadcastable to [batch..., N, T, S]; in a mask, nonzero means attend.
     broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax's dropout arguments;
-      dropout itself is not implemented (raises when it would apply).
+      dropout applies when dropout_rate > 0 and not deterministic, and then needs
+      broadcast_dropout=False and a dropout_rng.
     dtype: cast query, key and value to this dtype first.
     precision: None/DEFAULT, or HIGH/HIGHEST with 16-bit inputs.
     module: when given, sow the attention weights (Flax's `sow_weights=True`).
@@ -142,10 +134,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   Returns:
     [batch..., T, N, H] in the (promoted) input dtype.
   """
+  dropout = {}
   if dropout_rate > 0.0 and not deterministic:
-    raise NotImplementedError(
-        f"dropout_rate={dropout_rate} with deterministic=False: jaxflash has no attention "
-        "dropout yet; use dropout_rate=0.0 or deterministic=True")
+    if broadcast_dropout:
+      raise NotImplementedError(
+          f"broadcast_dropout=True with dropout_rate={dropout_rate}: one dropout mask shared "
+          "by every batch element and head cannot be drawn by the jaxflash kernels (they "
+          "hash the head index); pass broadcast_dropout=False (independent masks per batch "
+          "element and head), or deterministic=True")
+    if dropout_rng is None:
+      raise ValueError(f"dropout_rng is required when dropout_rate={dropout_rate} and "
+                       "deterministic=False")
+    dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   for name, fn in (("qk_attn_weights_einsum", qk_attn_weights_einsum),
                    ("attn_weights_value_einsum", attn_weights_value_einsum)):
     if fn is not None:
@@ -169,10 +169,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   q, k, v = fold(query), fold(key), fold(value)
   bias, mask = _fold_batch(bias, batch), _fold_batch(mask, batch)
 
+  run = functools.partial(jaxflash.attention, q, k, v, bias, mask, is_causal=is_causal,
+                          implementation=implementation, **dropout)
   if module is None:
-    out = _run(q, k, v, bias, mask, is_causal, implementation, False)
+    out = run()
   else:
-    out, lse = _run(q, k, v, bias, mask, is_causal, implementation, True)
+    # Flax sows the weights before dropout; the kernel's lse is also taken before it
+    out, lse = run(return_residual=True)
     weights = _attention_weights(q, k, bias, mask, is_causal, lse)
     weights = weights.reshape(batch + weights.shape[1:])
     if isinstance(module, nnx.Module):
@@ -207,6 +210,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       the cache mask already limits each step to the keys written so far, so it is unused.
       With an `attention_fn` that has no `is_causal` argument, a dense causal mask is built.
     implementation: passed to `jaxflash.attention` through `attention_fn`.
+  Training with dropout_rate > 0 needs broadcast_dropout=False (see the module docstring).
   """
   attention_fn: Callable[..., Any] = dot_product_attention
   is_causal: bool = False
@@ -317,6 +321,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     is_causal: default for the call's `is_causal` (the causal kernel). Unused while
       decoding: the cache mask already limits each step to the keys written so far.
     implementation: passed to `jaxflash.attention` through `attention_fn`.
+  Training with dropout_rate > 0 needs broadcast_dropout=False (see the module docstring).
   """
 
   def __init__(self, num_heads, in_features, *args, attention_fn=dot_product_attention,

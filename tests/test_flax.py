@@ -5,7 +5,9 @@ error against it must be <= 2x the error of the reference run in the input dtype
 """
 
 import functools
+import os
 import pathlib
+import subprocess
 import sys
 
 import flax.linen as nn
@@ -91,16 +93,17 @@ def test_adapter_batch_dims_and_dtype():
 
 def test_adapter_refuses_what_it_cannot_honour():
   q = rand(0, (1, 8, 2, 16))
-  with pytest.raises(NotImplementedError, match="dropout_rate"):
+  with pytest.raises(NotImplementedError, match="broadcast_dropout"):  # Flax's default
     jf.dot_product_attention(q, q, q, dropout_rate=0.1, deterministic=False,
                              dropout_rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="dropout_rng"):
+    jf.dot_product_attention(q, q, q, dropout_rate=0.1, deterministic=False,
+                             broadcast_dropout=False)
   with pytest.raises(NotImplementedError, match="precision"):
     jf.dot_product_attention(q, q, q, precision=jax.lax.Precision.HIGHEST)
   with pytest.raises(NotImplementedError, match="qk_attn_weights_einsum"):
     jf.dot_product_attention(q, q, q, qk_attn_weights_einsum=jnp.einsum,
                              attn_weights_value_einsum=jnp.einsum)
-  with pytest.raises(NotImplementedError, match="mask"):  # an explicit kernel choice
-    jf.dot_product_attention(q, q, q, mask=jnp.ones((8, 8), bool), implementation="cpu")
   # honoured: no dropout when deterministic, HIGHEST is exact for 16-bit inputs
   base = jf.dot_product_attention(q, q, q)
   np.testing.assert_array_equal(
@@ -108,6 +111,75 @@ def test_adapter_refuses_what_it_cannot_honour():
   qb = q.astype(jnp.bfloat16)
   np.testing.assert_array_equal(jf.dot_product_attention(qb, qb, qb, precision="highest"),
                                 jf.dot_product_attention(qb, qb, qb))
+
+
+def test_adapter_dropout():
+  """broadcast_dropout=False runs jaxflash's dropout: reproducible, and the same masks as
+  jaxflash.attention on the folded batch, in the forward and the backward."""
+  q, k, v = rand(0, (2, 3, 16, 4, 16)), rand(1, (2, 3, 16, 2, 16)), rand(2, (2, 3, 16, 2, 16))
+  mask = jax.random.bernoulli(jax.random.key(3), 0.8, (3, 1, 16, 16))
+  rng = jax.random.key(4)
+  fold = lambda x: x.reshape((6,) + x.shape[2:])
+  drop = dict(dropout_rate=0.3, deterministic=False, broadcast_dropout=False)
+
+  @functools.partial(jax.jit, static_argnames="impl")
+  def ours(q, k, v, rng, impl=None):
+    f = lambda q, k, v: jf.dot_product_attention(q, k, v, mask=mask, dropout_rng=rng,
+                                                 implementation=impl, **drop)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(rand(5, out.shape))
+
+  @jax.jit
+  def direct(q, k, v, rng):
+    m = jnp.broadcast_to(mask, (2, 3, 1, 16, 16)).reshape(6, 1, 16, 16)
+    f = lambda q, k, v: jaxflash.attention(q, k, v, mask=m, dropout_rate=0.3, dropout_rng=rng)
+    out, vjp = jax.vjp(f, *map(fold, (q, k, v)))
+    return out, vjp(fold(rand(5, q.shape)))
+
+  out, grads = ours(q, k, v, rng)
+  jax.tree.map(np.testing.assert_array_equal, (out, grads), ours(q, k, v, rng))
+  ref_out, ref_grads = direct(q, k, v, rng)
+  np.testing.assert_array_equal(fold(out), ref_out)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(fold(a), b), grads, ref_grads)
+  # the reference draws the same masks
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), (out, grads),
+               ours(q, k, v, rng, "xla"))
+  # dropout happened, and a new key draws new masks
+  base = jf.dot_product_attention(q, k, v, mask=mask)
+  assert not np.allclose(out, base, atol=1e-3)
+  assert not np.allclose(out, ours(q, k, v, jax.random.key(5))[0], atol=1e-3)
+
+
+def test_modules_dropout():
+  """Flax's dropout plumbing (rngs 'dropout', deterministic) reaches the kernel."""
+  x = rand(0, (2, 8, 16))
+  linen = lambda **kw: jf.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.5, **kw)
+  params = linen().init(jax.random.key(1), x, deterministic=True)
+  with pytest.raises(NotImplementedError, match="broadcast_dropout"):
+    linen().apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
+  m = linen(broadcast_dropout=False)
+  run = lambda seed: m.apply(params, x, deterministic=False,
+                             rngs={"dropout": jax.random.key(seed)})
+  np.testing.assert_array_equal(run(2), run(2))
+  assert not np.allclose(run(2), run(3), atol=1e-3)
+  np.testing.assert_array_equal(m.apply(params, x, deterministic=True),
+                                linen().apply(params, x, deterministic=True))
+
+  nnx_mha = lambda seed: jf.MultiHeadAttention(2, 16, dropout_rate=0.5, broadcast_dropout=False,
+                                               decode=False, rngs=nnx.Rngs(0, dropout=seed))
+  a, b = nnx_mha(2), nnx_mha(2)
+  np.testing.assert_array_equal(a(x, deterministic=False), b(x, deterministic=False))
+  # the module's dropout stream advances: the next call draws new masks
+  assert not np.allclose(a(x, deterministic=False), b(x, deterministic=True), atol=1e-3)
+  assert not np.allclose(a(x, deterministic=False), a(x, deterministic=False), atol=1e-3)
+
+
+def test_lazy_flax_attribute():
+  """`jaxflash.flax` after a plain `import jaxflash`, which itself does not import flax."""
+  code = ("import sys, jaxflash; assert 'flax' not in sys.modules; "
+          "assert jaxflash.flax.dot_product_attention is not None; assert 'flax' in sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True,
+                 env={**os.environ, "PYTHONPATH": str(EXAMPLES.parent)})
 
 
 # ------------------------------------------------- Flax's own modules with attention_fn
@@ -231,12 +303,14 @@ def test_is_causal_with_a_mask_only_attention_fn():
 
 def test_implementation_is_passed_through():
   x = rand(0, (1, 8, 16))
-  with pytest.raises(NotImplementedError, match="mask"):
-    jf.MultiHeadAttention(2, 16, implementation="cpu", decode=False, rngs=nnx.Rngs(0))(
-        x, mask=jnp.ones((1, 1, 8, 8), bool))
-  m = jf.MultiHeadAttention(2, 16, implementation="xla", decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="implementation='cuda'"):  # float32: never CUDA
+    jf.MultiHeadAttention(2, 16, implementation="cuda", decode=False, rngs=nnx.Rngs(0))(x)
   r = nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0))
+  m = jf.MultiHeadAttention(2, 16, implementation="xla", decode=False, rngs=nnx.Rngs(0))
   np.testing.assert_allclose(m(x, is_causal=True), r(x, is_causal=True), atol=1e-5)
+  mask = jax.random.bernoulli(jax.random.key(1), 0.7, (1, 1, 8, 8)).at[..., 0].set(True)
+  m = jf.MultiHeadAttention(2, 16, implementation="cpu", decode=False, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(m(x, mask=mask), r(x, mask=mask), atol=1e-5)
 
 
 def test_sow_weights():
