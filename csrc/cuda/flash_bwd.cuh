@@ -5,8 +5,8 @@
 //      query tiles; dQ is accumulated with fp32 atomics into dq_accum;
 //   3. convert: dq = scale * dq_accum, cast to T.
 // Math per query tile (the CPU bwd_typed, tile by tile; P is the forward's softmax, recomputed):
-//   S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse * log2e), dP^T = V dO^T,
-//   dS^T = P^T * (dP^T - delta), dV += P^T dO, dK += dS^T Q, dQ += dS K;
+//   S = Q K^T, P = exp2(S * scale_log2 - lse * log2e), dP = dO V^T, dS = P * (dP - delta),
+//   dQ += dS K, dV += P^T dO, dK += dS^T Q;
 //   the softmax scale is applied to dK at the end and to dQ in the convert kernel.
 #pragma once
 
@@ -23,36 +23,39 @@
 namespace jaxflash::cuda {
 namespace bwd {
 
-// Tiles. Each of the 8 warps owns 16 keys of the key tile (one mma M tile), so:
-//  * S^T and dP^T come out of the mma in the layout the dV and dK mmas take as their A operand:
-//    P and dS reach dV, dK straight from registers (only dS^T goes through smem, for dQ);
-//  * the warp's dK, dV accumulators (2 * 16 * H fp32) are private, no cross-warp reduction.
-// fp32 accumulators per thread: dK + dV = 2 * 16 * H / 32 = H, plus S^T + dP^T of a sub-block of
-// kSubM queries = kSubM: 160 at H = 128 fits 255 registers with the fragments and addresses
-// (whole 64-query tiles, 192, spilled, and so did kSubM = 64 at H = 64 on sm80). kBlockM is then
-// bound by shared memory:
-//  * H = 128: kBlockM = 64 (as FA2): (2*128*128 + 4*64*128 + 128*64) * 2 B + 1 KB = 145 KB;
-//    128 would need 226 KB, over the A100's 163 KB;
-//  * H = 64: kBlockM = 128, halving the barriers per FLOP:
-//    (2*128*64 + 4*128*64 + 128*128) * 2 B + 2 KB = 130 KB.
-// One CTA of 8 warps per SM on the A100 and the H100 (227 KB).
+// Tiles. The kernel is bound by shared-memory (ldmatrix) bandwidth, so every GEMM is split over
+// the 8 warps in 2D: each warp owns a 32 x 32 (or 64 x 32) block of its output and every
+// ldmatrix'd fragment feeds 2 or more mmas. P and dS go through shared memory once, (M, N)
+// row-major, and are read back as the A operands of dV = P^T dO, dK = dS^T Q and dQ = dS K.
+// Warp layouts (output rows x cols per warp):
+//  * S = Q K^T, dP = dO V^T: (M, N) over 2 x 4 warps of (M / 2, 32);
+//  * dV, dK: (N, H) over 4 x 2 warps of (32, H / 2), private accumulators (no reduction);
+//  * dQ: (M, H) over (M / 32) x (H / 32) warps of (32, 32).
+// ldmatrix bytes per CTA and query tile fall from 816 KB (one 16-key m-tile per warp) to
+// 608 KB at H = 128 and from 832 KB to 640 KB at H = 64, for the same FLOPs.
+// fp32 accumulators per thread: dK + dV = 2 * N * H / 256 = H, S + dP = 2 * M * N / 256:
+// 192 at both head dims, which with the fragments fits 255 registers.
+// Shared memory (K, V, 2 x Q, 2 x dO, P, dS, 2 x lse, 2 x delta), one CTA of 8 warps per SM:
+//  * H = 128: kBlockM = 64: (2*128*128 + 4*64*128 + 2*64*128) * 2 B + 1 KB = 161 KB;
+//  * H = 64: kBlockM = 128 (halves the barriers per FLOP):
+//    (2*128*64 + 4*128*64 + 2*128*128) * 2 B + 2 KB = 162 KB;
+//  both under the A100's 163 KB.
 template <int kHeadDim>
 struct Tiles {
-  static constexpr int kBlockN = 128;                     // keys per CTA
+  static constexpr int kBlockN = 128;                        // keys per CTA
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // queries per step
-  static constexpr int kSubM = 32;  // queries per S^T/dP^T sub-block (registers, see above)
-  static constexpr int kWarps = kBlockN / 16;
+  static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  // dQ = dS K is a (kBlockM, H) tile: warps split it kWarpsMdQ x kWarpsDdQ, 16 rows each.
-  static constexpr int kWarpsMdQ = kBlockM / 16;
-  static constexpr int kWarpsDdQ = kWarps / kWarpsMdQ;
-  static constexpr int kColsdQ = kHeadDim / kWarpsDdQ;
+  static constexpr int kMiS = kBlockM / 2 / 16;         // S, dP: m16 tiles per warp
+  static constexpr int kNjKV = kHeadDim / 2 / 8;        // dV, dK: n8 tiles per warp
+  static constexpr int kWarpsMdQ = kBlockM / 32;        // dQ: warps along queries
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 only");
-  static_assert(kWarps % kWarpsMdQ == 0 && kColsdQ % 64 == 0, "dQ warp layout");
+  static_assert(kBlockN == 4 * 32, "S, dP, dV, dK warp layouts");
+  static_assert(kWarpsMdQ * (kHeadDim / 32) == kWarps, "dQ warp layout");
   static_assert(kBlockM * kHeadDim / 8 % kThreads == 0 && kBlockM <= kThreads, "copy loops");
 
   static constexpr int kSmemBytes =
-      (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + kBlockN * kBlockM) * 2 +
+      (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + 2 * kBlockM * kBlockN) * 2 +
       4 * kBlockM * static_cast<int>(sizeof(float));
 };
 
@@ -211,11 +214,90 @@ struct LdsmOffsets {
   }
 };
 
+
+// Byte offsets in a swizzled (rows, kCols) tile (see swz) of the lane's ldmatrix row in the
+// kCount 16x16 blocks at columns col0 + 16 * i (col0 % 16 == 0, set per warp at run time); the
+// block's first row is a multiple of 8 and is added as a plain row offset.
+template <int kCols, Ldsm kOrder, int kCount>
+struct LdsmCols {
+  uint32_t v[kCount];
+  __device__ __forceinline__ LdsmCols(int lane, int col0) {
+    const int row = ldsm_row<kOrder>(lane), chunk = ldsm_chunk<kOrder>(lane);
+#pragma unroll
+    for (int i = 0; i < kCount; ++i)
+      v[i] = (row * kCols + (((col0 / 8 + 2 * i + chunk) ^ (row & 7)) << 3)) * 2;
+  }
+};
+
+// acc (kMi m16 x 4 n8 tiles) += A B^T with A (16 kMi, kK) and B (32, kK) both row-major in
+// swizzled (rows, kCols) tiles at byte addresses a, b (the warp's first rows).
+template <typename T, int kMi, int kK, int kCols>
+__device__ __forceinline__ void gemm_abt(float (&acc)[kMi][4][4], uint32_t a, uint32_t b,
+                                         const LdsmOffsets<kCols, Ldsm::kA>& off_a,
+                                         const LdsmOffsets<kCols, Ldsm::kB>& off_b) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t ra[kMi][4], rb[2][4];
+#pragma unroll
+    for (int i = 0; i < kMi; ++i) ldsm_x4(ra[i], a + i * 16 * kCols * 2 + off_a(kk * 16));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) ldsm_x4(rb[j], b + j * 16 * kCols * 2 + off_b(kk * 16));
+#pragma unroll
+    for (int i = 0; i < kMi; ++i) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        mma_16816<T>(acc[i][2 * j], ra[i], {rb[j][0], rb[j][1]});
+        mma_16816<T>(acc[i][2 * j + 1], ra[i], {rb[j][2], rb[j][3]});
+      }
+    }
+  }
+}
+
+// acc (2 m16 x kNj n8 tiles) += A^T B with A (kK, 32) and B (kK, 8 kNj) both row-major in
+// swizzled tiles at byte addresses a, b (row 0), the warp's columns folded into off_a, off_b.
+template <typename T, int kNj, int kK, int kColsA, int kColsB>
+__device__ __forceinline__ void gemm_atb(float (&acc)[2][kNj][4], uint32_t a, uint32_t b,
+                                         const LdsmCols<kColsA, Ldsm::kB, 2>& off_a,
+                                         const LdsmCols<kColsB, Ldsm::kA, kNj / 2>& off_b) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t ra[2][4], rb[kNj / 2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) ldsm_x4_trans(ra[i], a + kk * 16 * kColsA * 2 + off_a.v[i]);
+#pragma unroll
+    for (int j = 0; j < kNj / 2; ++j)
+      ldsm_x4_trans(rb[j], b + kk * 16 * kColsB * 2 + off_b.v[j]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int j = 0; j < kNj / 2; ++j) {
+        mma_16816<T>(acc[i][2 * j], ra[i], {rb[j][0], rb[j][1]});
+        mma_16816<T>(acc[i][2 * j + 1], ra[i], {rb[j][2], rb[j][3]});
+      }
+    }
+  }
+}
+
+// x, opaque to the compiler: values derived from it are recomputed where used, not hoisted.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// A thread's coordinates: warp, lane, mma fragment row g (and g + 8) and column pair 2 * tq.
+// The main loop rebuilds them, and the per-lane offsets derived from them, in each phase from
+// an opaque copy of the thread index: kept live across the loop they spilled registers.
+struct Thread {
+  int warp, lane, g, tq;
+  __device__ __forceinline__ explicit Thread(int tid)
+      : warp(tid / 32), lane(tid % 32), g(tid % 32 / 4), tq(tid % 4) {}
+};
+
 template <typename T, int kHeadDim, bool kCausal>
 __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(const BwdParams p) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int D = kHeadDim, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
-  constexpr int kSubM = Cfg::kSubM;
+  constexpr int kMi = Cfg::kMiS, kNjKV = Cfg::kNjKV;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row of Q, dO, K, V
   constexpr float kLog2e = 1.4426950408889634f;
 
@@ -224,23 +306,24 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   T* sV = sK + N * D;                  // (N, D)
   T* sQ = sV + N * D;                  // 2 x (M, D): double buffer
   T* sdO = sQ + 2 * M * D;             // 2 x (M, D)
-  T* sdS = sdO + 2 * M * D;            // (N, M): dS^T of the current query tile
-  float* sLse = reinterpret_cast<float*>(sdS + N * M);  // 2 x (M)
+  T* sP = sdO + 2 * M * D;             // (M, N): P of the current query tile
+  T* sdS = sP + M * N;                 // (M, N): dS
+  float* sLse = reinterpret_cast<float*>(sdS + M * N);  // 2 x (M)
   float* sDelta = sLse + 2 * M;                         // 2 x (M)
   // The same tiles as shared-memory byte addresses, for ldmatrix.
   const uint32_t aK = smem_addr(sK), aV = smem_addr(sV), aQ = smem_addr(sQ),
-                 adO = smem_addr(sdO), adS = smem_addr(sdS);
+                 adO = smem_addr(sdO), aP = smem_addr(sP), adS = smem_addr(sdS);
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int g = lane / 4, tq = lane % 4;  // fragment row (and row + 8), column pair 2 * tq
+  const int tid = threadIdx.x;
   const int seq_t = static_cast<int>(p.t), seq_s = static_cast<int>(p.s);
   const int n_key_tiles = (seq_s + N - 1) / N;
   // Key tiles of one (b, kh) are adjacent in launch order (they share Q, dO in L2); key tile 0,
   // the longest under causal, goes first.
   const int key_tile = static_cast<int>(blockIdx.x % n_key_tiles);
-  const int64_t bk = blockIdx.x / n_key_tiles;
-  const int64_t kh = bk % p.kh, b = bk / p.kh;
-  const int64_t G = p.n / p.kh;  // query heads per kv head (group() is host-only)
+  // 32-bit indices (the grid is < 2^31 CTAs); 64-bit only in the offsets they feed.
+  const int bk = static_cast<int>(blockIdx.x) / n_key_tiles;
+  const int kh = bk % static_cast<int>(p.kh), b = bk / static_cast<int>(p.kh);
+  const int G = static_cast<int>(p.n / p.kh);  // query heads per kv head (group() is host-only)
   const int n0 = key_tile * N;
 
   // Causal: query tiles whose rows all precede key n0 see nothing of this tile.
@@ -255,7 +338,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
 
   // Issues the cp.async loads of step `it` (query head, query tile) into buffer `buf`.
   auto load_step = [&](int it, int buf) {
-    const int64_t n = kh * G + it / n_m;
+    const int n = kh * G + it / n_m;
     const int m0 = (m_first + it % n_m) * M;
     const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride +
                   m0 * p.q_row_stride;  // (M, D)
@@ -270,7 +353,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
 #pragma unroll
     for (int k = 0; k < M * kChunks / kThreads; ++k) {
       const int i = t0 + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
-      const bool ok = m0 + row < seq_t;  // rows past T are zero-filled, never read
+      const bool ok = m0 + row < seq_t;  // rows past T are zero-filled and masked
       cp_async_16(&tQ[swz<D>(row, col)], gQ + (ok ? row * p.q_row_stride + col : 0), ok);
       cp_async_16(&tdO[swz<D>(row, col)], gdO + (ok ? row * p.do_row_stride + col : 0), ok);
     }
@@ -294,174 +377,145 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
     cp_async_commit();
   }
 
-  const int kw = warp * 16;  // this warp's first key in the tile
-  const LdsmOffsets<D, Ldsm::kA> offA(lane);  // on K, V, Q, dO tiles
-  const LdsmOffsets<D, Ldsm::kB> offB(lane);
-  // dQ = dS K: (M, D) split over warps as (16, kColsdQ) tiles at query wm, column wd.
-  constexpr int kColsdQ = Cfg::kColsdQ;
-  const int wm = warp % Cfg::kWarpsMdQ * 16, wd = warp / Cfg::kWarpsMdQ * kColsdQ;
-  // This warp's A = dS (queries wm.., k16 keys) from the (N, M) dS^T tile: one block column.
-  const uint32_t adS_warp =
-      adS + (ldsm_row<Ldsm::kB>(lane) * M +
-             (((wm / 8 + ldsm_chunk<Ldsm::kB>(lane)) ^ (lane & 7)) << 3)) * 2;
-
-  const uint32_t adS_rows = adS + (kw + g) * M * 2;  // this lane's dS^T row in sdS
-
-  float acc_dk[D / 8][4] = {};  // (16, D) of dK for keys kw.., n8 tiles along D
-  float acc_dv[D / 8][4] = {};  // (16, D) of dV
+  // The warp's blocks (first row, first column) of each GEMM's output:
+  //  S, dP: (M / 2, 32) at (warp / 4 * M / 2, warp % 4 * 32);
+  //  dV, dK: (32, D / 2) at (warp % 4 * 32, warp / 4 * D / 2);
+  //  dQ: (32, 32) at (warp % kWarpsMdQ * 32, warp / kWarpsMdQ * 32).
+  float acc_dk[2][kNjKV][4] = {};  // the warp's (32, D / 2) block of dK
+  float acc_dv[2][kNjKV][4] = {};  // (32, D / 2) of dV
 
   for (int it = 0; it < iters; ++it) {
     const int buf = it & 1;
-    // Prefetch the next step into the other buffer: its last readers (the previous step's
-    // S/dP/dV/dK) all passed the barrier before that step's dQ.
-    if (it + 1 < iters) {
-      load_step(it + 1, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    // Step `it` has landed, and every warp is done with step it - 1 (sP, sdS are free).
+    cp_async_wait<0>();
     __syncthreads();
 
-    const int64_t n = kh * G + it / n_m;
+    const int n = kh * G + it / n_m;
     const int m0 = (m_first + it % n_m) * M;
     const uint32_t aQt = aQ + buf * M * D * 2, adOt = adO + buf * M * D * 2;  // (M, D) tiles
-    const uint32_t aKw = aK + kw * D * 2, aVw = aV + kw * D * 2;  // the warp's 16 keys
     const bool need_mask = (kCausal && m0 < n0 + N - 1) || m0 + M > seq_t || n0 + N > seq_s;
     const float* tLse = sLse + buf * M;
     const float* tDelta = sDelta + buf * M;
 
-    // The M queries go in sub-blocks of kSubM: S^T and dP^T of one sub-block (kSubM fp32
-    // registers) are live next to the dK, dV accumulators, never those of the whole tile.
-#pragma unroll 1
-    for (int sub = 0; sub < M / kSubM; ++sub) {
-      const int ms = sub * kSubM;  // first query of the sub-block in the tile
-      // S^T = K Q^T: (16, kSubM) per warp; A = K rows kw.., B = Q^T from (M, D) storage.
-      float acc_s[kSubM / 8][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_x4(a, aKw + offA(kk * 16));
-#pragma unroll
-        for (int j = 0; j < kSubM / 16; ++j) {
-          uint32_t bq[4];
-          ldsm_x4(bq, aQt + (ms + j * 16) * D * 2 + offB(kk * 16));
-          mma_16816<T>(acc_s[2 * j], a, {bq[0], bq[1]});
-          mma_16816<T>(acc_s[2 * j + 1], a, {bq[2], bq[3]});
-        }
-      }
-      // dP^T = V dO^T: (16, kSubM) per warp.
-      float acc_dp[kSubM / 8][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_x4(a, aVw + offA(kk * 16));
-#pragma unroll
-        for (int j = 0; j < kSubM / 16; ++j) {
-          uint32_t bo[4];
-          ldsm_x4(bo, adOt + (ms + j * 16) * D * 2 + offB(kk * 16));
-          mma_16816<T>(acc_dp[2 * j], a, {bo[0], bo[1]});
-          mma_16816<T>(acc_dp[2 * j + 1], a, {bo[2], bo[3]});
-        }
-      }
+    {
+      const Thread th(opaque(tid));
+      const int g = th.g, tq = th.tq;
+      const int s_q0 = th.warp / 4 * (M / 2), s_k0 = th.warp % 4 * 32;
+      const LdsmOffsets<D, Ldsm::kA> offA(th.lane);  // Q, dO as A
+      const LdsmOffsets<D, Ldsm::kB> offB(th.lane);  // K, V as B
+      // The lane's 32-bit slot of sP, sdS (M, N) in n8 tile j of m16 tile 0 is at row s_q0 + g,
+      // column s_k0 + 8 j + 2 tq; rows + 8 and + 16 i keep the swizzle g.
+      const uint32_t st_row = (s_q0 + g) * N * 2 + 4 * tq;
+      // Element e of tile (i, j): query s_q0 + 16 i + g + 8 (e / 2), key s_k0 + 8 j + 2 tq + e % 2.
 
-      // P^T = exp2(S^T * scale_log2 - lse * log2e), dS^T = P^T * (dP^T - delta), elementwise.
-      // Element e of n8 tile j: key kw + g + 8 * (e / 2), query ms + j * 8 + 2 * tq + e % 2.
-      // lse == -inf (no visible key) becomes +inf so that P = 0.
+      // S = Q K^T: (M / 2, 32) per warp; then P = exp2(S * scale_log2 - lse * log2e), masked,
+      // to sP as T and kept as fp16 pairs (16-bit registers: with P and dP both fp32 next to
+      // the dK, dV accumulators the kernel spilled; fp16 keeps 11 bits of P <= 1, which dS
+      // rounded to T does not need more of). lse == -inf (no visible key) becomes +inf: P = 0.
+      uint32_t rP[kMi][4][2];
+      {
+        float acc_s[kMi][4][4] = {};
+        gemm_abt<T, kMi, D, D>(acc_s, aQt + s_q0 * D * 2, aK + s_k0 * D * 2, offA, offB);
 #pragma unroll
-      for (int j = 0; j < kSubM / 8; ++j) {
-        const int qc = ms + j * 8 + 2 * tq;
-        const float2 lse2 = *reinterpret_cast<const float2*>(&tLse[qc]);
-        const float2 dl2 = *reinterpret_cast<const float2*>(&tDelta[qc]);
-        const float lse_log2[2] = {lse2.x == -INFINITY ? INFINITY : lse2.x * kLog2e,
-                                   lse2.y == -INFINITY ? INFINITY : lse2.y * kLog2e};
-        const float dl[2] = {dl2.x, dl2.y};
+        for (int i = 0; i < kMi; ++i) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float pv = exp2_fast(acc_s[j][e] * p.scale_log2 - lse_log2[e % 2]);
-          float ds = pv * (acc_dp[j][e] - dl[e % 2]);
-          if (need_mask) {
-            const int key = n0 + kw + g + 8 * (e / 2), query = m0 + qc + e % 2;
-            const bool vis = key < seq_s && query < seq_t && (!kCausal || key <= query);
-            pv = vis ? pv : 0.f;
-            ds = vis ? ds : 0.f;
+          for (int h = 0; h < 2; ++h) {
+            const int qr = s_q0 + 16 * i + 8 * h + g;
+            const float lse = tLse[qr];
+            const float lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              float pv[2];
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                pv[c] = exp2_fast(acc_s[i][j][2 * h + c] * p.scale_log2 - lse_log2);
+                if (need_mask) {
+                  const int key = n0 + s_k0 + 8 * j + 2 * tq + c, query = m0 + qr;
+                  const bool vis = key < seq_s && query < seq_t && (!kCausal || key <= query);
+                  pv[c] = vis ? pv[c] : 0.f;
+                }
+              }
+              const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
+              sts_u32(aP + at, pack2<T>(pv[0], pv[1]));
+              rP[i][j][h] = pack2<__half>(pv[0], pv[1]);
+            }
           }
-          acc_s[j][e] = pv;
-          acc_dp[j][e] = ds;
         }
       }
-      // C fragments of n8 tiles 2kk, 2kk+1 are the A fragment of k16 step kk.
-      uint32_t rP[kSubM / 16][4], rdS[kSubM / 16][4];  // (16, kSubM) as T
+      // dP = dO V^T: (M / 2, 32) per warp; dS = P * (dP - delta) to sdS as T. Masked P are
+      // 0, and so are their dS (dP, delta are finite: padded rows are zero-filled).
+      {
+        float acc_dp[kMi][4][4] = {};
+        gemm_abt<T, kMi, D, D>(acc_dp, adOt + s_q0 * D * 2, aV + s_k0 * D * 2, offA, offB);
 #pragma unroll
-      for (int kk = 0; kk < kSubM / 16; ++kk) {
-        rP[kk][0] = pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-        rP[kk][1] = pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-        rP[kk][2] = pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-        rP[kk][3] = pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-        rdS[kk][0] = pack2<T>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
-        rdS[kk][1] = pack2<T>(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
-        rdS[kk][2] = pack2<T>(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
-        rdS[kk][3] = pack2<T>(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
-      }
-      // dS^T -> sdS (N, M) for the dQ mma, which contracts over all warps' keys; rows kw + g
-      // and kw + g + 8 share the swizzle g.
+        for (int i = 0; i < kMi; ++i) {
 #pragma unroll
-      for (int c = 0; c < kSubM / 8; ++c) {
-        const uint32_t at = adS_rows + ((((ms / 8 + c) ^ g) << 3) + 2 * tq) * 2;
-        sts_u32(at, rdS[c / 2][2 * (c % 2)]);
-        sts_u32(at + 8 * M * 2, rdS[c / 2][2 * (c % 2) + 1]);
-      }
-
-      // dV += P^T dO: (16, D); k runs over the sub-block's queries, B = dO (.trans).
+          for (int h = 0; h < 2; ++h) {
+            const float dl = tDelta[s_q0 + 16 * i + 8 * h + g];
 #pragma unroll
-      for (int kk = 0; kk < kSubM / 16; ++kk) {
-#pragma unroll
-        for (int j = 0; j < D / 16; ++j) {
-          uint32_t bo[4];
-          ldsm_x4_trans(bo, adOt + (ms + kk * 16) * D * 2 + offA(j * 16));
-          mma_16816<T>(acc_dv[2 * j], rP[kk], {bo[0], bo[1]});
-          mma_16816<T>(acc_dv[2 * j + 1], rP[kk], {bo[2], bo[3]});
-        }
-      }
-      // dK += dS^T Q: (16, D).
-#pragma unroll
-      for (int kk = 0; kk < kSubM / 16; ++kk) {
-#pragma unroll
-        for (int j = 0; j < D / 16; ++j) {
-          uint32_t bq[4];
-          ldsm_x4_trans(bq, aQt + (ms + kk * 16) * D * 2 + offA(j * 16));
-          mma_16816<T>(acc_dk[2 * j], rdS[kk], {bq[0], bq[1]});
-          mma_16816<T>(acc_dk[2 * j + 1], rdS[kk], {bq[2], bq[3]});
+            for (int j = 0; j < 4; ++j) {
+              const float2 pv = __half22float2(*reinterpret_cast<const __half2*>(&rP[i][j][h]));
+              const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
+              sts_u32(adS + at, pack2<T>(pv.x * (acc_dp[i][j][2 * h] - dl),
+                                         pv.y * (acc_dp[i][j][2 * h + 1] - dl)));
+            }
+          }
         }
       }
     }
-    __syncthreads();  // sdS complete
+    __syncthreads();  // sP, sdS complete; every warp is done with the Q, dO of step it - 1
 
-    // dQ += dS K: (16, kColsdQ) per warp; k runs over the N keys, A = dS from (N, M) storage
-    // (.trans), B = K from (N, D) storage (.trans).
+    // Prefetch the next step into the other buffer (last read by step it - 1's dV, dK).
+    if (it + 1 < iters) {
+      load_step(it + 1, buf ^ 1);
+      cp_async_commit();
+    }
+
+    // dQ += dS K: (32, 32) per warp; k runs over the N keys, A = dS from (M, N) storage, B = K
+    // from (N, D) storage (.trans).
     {
-      float acc_dq[kColsdQ / 8][4] = {};
+      const Thread th(opaque(tid));
+      const int dq_q0 = th.warp % Cfg::kWarpsMdQ * 32, dq_d0 = th.warp / Cfg::kWarpsMdQ * 32;
+      const LdsmOffsets<N, Ldsm::kA> offdS(th.lane);          // dS as A
+      const LdsmCols<D, Ldsm::kA, 2> offdQ(th.lane, dq_d0);  // K as B
+      float acc_dq[2][4][4] = {};
 #pragma unroll
       for (int kk = 0; kk < N / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_x4_trans(a, adS_warp + kk * 16 * M * 2);
+        uint32_t ra[2][4], rb[2][4];
 #pragma unroll
-        for (int j = 0; j < kColsdQ / 16; ++j) {
-          uint32_t bk4[4];
-          ldsm_x4_trans(bk4, aK + kk * 16 * D * 2 + wd * 2 + offA(j * 16));
-          mma_16816<T>(acc_dq[2 * j], a, {bk4[0], bk4[1]});
-          mma_16816<T>(acc_dq[2 * j + 1], a, {bk4[2], bk4[3]});
+        for (int i = 0; i < 2; ++i) ldsm_x4(ra[i], adS + (dq_q0 + 16 * i) * N * 2 + offdS(kk * 16));
+#pragma unroll
+        for (int j = 0; j < 2; ++j) ldsm_x4_trans(rb[j], aK + kk * 16 * D * 2 + offdQ.v[j]);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            mma_16816<T>(acc_dq[i][2 * j], ra[i], {rb[j][0], rb[j][1]});
+            mma_16816<T>(acc_dq[i][2 * j + 1], ra[i], {rb[j][2], rb[j][3]});
+          }
         }
       }
       // dq_accum is contiguous (B, T, N, H); rows past T are not written.
-      const int q0 = m0 + wm + g;
-      float* dqa = p.dq_accum + ((b * p.t + q0) * p.n + n) * D + wd + 2 * tq;
       const int64_t row8 = 8 * p.n * D;  // 8 query rows further
 #pragma unroll
-      for (int j = 0; j < kColsdQ / 8; ++j) {
-        if (q0 < seq_t) atomic_add2(dqa + j * 8, acc_dq[j][0], acc_dq[j][1]);
-        if (q0 + 8 < seq_t) atomic_add2(dqa + row8 + j * 8, acc_dq[j][2], acc_dq[j][3]);
+      for (int i = 0; i < 2; ++i) {
+        const int q = m0 + dq_q0 + 16 * i + th.g;
+        float* dqa = p.dq_accum + ((b * p.t + q) * p.n + n) * D + dq_d0 + 2 * th.tq;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (q < seq_t) atomic_add2(dqa + j * 8, acc_dq[i][j][0], acc_dq[i][j][1]);
+          if (q + 8 < seq_t) atomic_add2(dqa + row8 + j * 8, acc_dq[i][j][2], acc_dq[i][j][3]);
+        }
       }
+    }
+
+    // dV += P^T dO, dK += dS^T Q: (32, D / 2) per warp; k runs over the M queries.
+    {
+      const Thread th(opaque(tid));
+      const LdsmCols<N, Ldsm::kB, 2> offPt(th.lane, th.warp % 4 * 32);           // P^T, dS^T as A
+      const LdsmCols<D, Ldsm::kA, kNjKV / 2> offKV(th.lane, th.warp / 4 * (D / 2));  // dO, Q as B
+      gemm_atb<T, kNjKV, M, N, D>(acc_dv, aP, adOt, offPt, offKV);
+      gemm_atb<T, kNjKV, M, N, D>(acc_dk, adS, aQt, offPt, offKV);
     }
   }
 
@@ -469,16 +523,22 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   // With no step at all (T == 0, or causal with every query before n0) they are zeros.
   cp_async_wait<0>();
   __syncthreads();
+  const Thread th(tid);
+  const int g = th.g, tq = th.tq, kv_k0 = th.warp % 4 * 32, kv_d0 = th.warp / 4 * (D / 2);
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    const int col = j * 8 + 2 * tq;
-    *reinterpret_cast<uint32_t*>(&sK[swz<D>(kw + g, col)]) =
-        pack2<T>(acc_dk[j][0] * p.scale, acc_dk[j][1] * p.scale);
-    *reinterpret_cast<uint32_t*>(&sK[swz<D>(kw + g + 8, col)]) =
-        pack2<T>(acc_dk[j][2] * p.scale, acc_dk[j][3] * p.scale);
-    *reinterpret_cast<uint32_t*>(&sV[swz<D>(kw + g, col)]) = pack2<T>(acc_dv[j][0], acc_dv[j][1]);
-    *reinterpret_cast<uint32_t*>(&sV[swz<D>(kw + g + 8, col)]) =
-        pack2<T>(acc_dv[j][2], acc_dv[j][3]);
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < kNjKV; ++j) {
+      const int row = kv_k0 + 16 * i + g, col = kv_d0 + j * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(&sK[swz<D>(row, col)]) =
+          pack2<T>(acc_dk[i][j][0] * p.scale, acc_dk[i][j][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(&sK[swz<D>(row + 8, col)]) =
+          pack2<T>(acc_dk[i][j][2] * p.scale, acc_dk[i][j][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(&sV[swz<D>(row, col)]) =
+          pack2<T>(acc_dv[i][j][0], acc_dv[i][j][1]);
+      *reinterpret_cast<uint32_t*>(&sV[swz<D>(row + 8, col)]) =
+          pack2<T>(acc_dv[i][j][2], acc_dv[i][j][3]);
+    }
   }
   __syncthreads();
   T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kh * p.dk_head_stride +
