@@ -7,7 +7,8 @@
 //   - warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc) and own 64 query
 //     rows each: S = Q K^T by wgmma from shared memory, the online softmax in registers, then
 //     O += P V by wgmma with P from registers; they hand a stage back to the producer through
-//     its "empty" mbarrier once both GEMMs that read it have completed.
+//     its "empty" mbarrier once both GEMMs that read it have completed. As in FA3, S of tile
+//     j + 1 and P V of tile j are in flight together while the softmax of j + 1 runs.
 // Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
 // causal diagonal) come first; masking is skipped on every other tile.
 //
@@ -166,14 +167,11 @@ __global__ void __launch_bounds__(384, 1)
     const uint32_t q_rows = sQ + 64 * cw * kRowBytes;  // this warpgroup's rows, column block 0
     mbar_wait(bar_q, 0);
 
-    for (int it = 0; it < n_blocks; ++it) {
-      const int j = n_blocks - 1 - it, s = it % kStages;
-      const uint32_t parity = (it / kStages) & 1;
-      const uint32_t stage = s * Cfg::kKVBytes;
-
-      // S = Q K^T: (64, kBlockN) per warpgroup, K = H in k16 steps.
-      float acc_s[kNS];
-      mbar_wait(bar_k + 8 * s, parity);
+    // The steps of one key tile it (tile j = n_blocks - 1 - it, ring stage it % kStages).
+    // S = Q K^T: (64, kBlockN) per warpgroup, K = H in k16 steps; committed, not waited for.
+    auto issue_qk = [&](float (&acc_s)[kNS], int it) {
+      const uint32_t stage = (it % kStages) * Cfg::kKVBytes;
+      mbar_wait(bar_k + 8 * (it % kStages), (it / kStages) & 1);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -183,12 +181,32 @@ __global__ void __launch_bounds__(384, 1)
         Wgmma<kBlockN>::template ss<T>(acc_s, a, bk, kk > 0);
       }
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc_s);
-
-      // Logits in log2 units; keys >= S, and under causal keys s > t, become -inf. Only
-      // tiles reaching past S or past this warp's first row (causal) pay for the mask.
-      const int n0 = j * kBlockN;
+    };
+    // O += P V: K = kBlockN keys in k16 steps of 16 rows (2 swizzle atoms, 2048 bytes) of
+    // every column block; N = H, the column blocks LBO = kBlockN * 128 bytes apart.
+    auto issue_pv = [&](const uint32_t (&rP)[kBlockN / 16][4], int it) {
+      const uint32_t stage = (it % kStages) * Cfg::kKVBytes;
+      mbar_wait(bar_v + 8 * (it % kStages), (it / kStages) & 1);
+      fence_regs(acc_o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t bv = sw128_desc(sV + stage + kk * 16 * kRowBytes, kBlockN * kRowBytes, 1024);
+        Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], bv, 1);
+      }
+      wgmma_commit();
+    };
+    // Both GEMMs that read the stage of tile it are complete: hand it back to the producer.
+    auto release = [&](int it) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * (it % kStages));
+    };
+    // Online softmax of a completed S: logits in log2 units, keys >= S and under causal keys
+    // s > t set to -inf (only on tiles reaching past S or past this warp's first row), new
+    // running max, l rescaled and P = 2^(S - m) in place; corr = 2^(m_old - m_new) is left
+    // for O, which may still be accumulating the previous tile.
+    auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
+      const int n0 = (n_blocks - 1 - it) * kBlockN;
 #pragma unroll
       for (int i = 0; i < kNS; ++i) acc_s[i] *= p.scale_log2;
       if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
@@ -202,8 +220,6 @@ __global__ void __launch_bounds__(384, 1)
             if (col >= kv_limit || (kCausal && col - row > diag)) acc_s[4 * i + c] = -INFINITY;
           }
       }
-
-      // Online softmax: new running max, rescale l and O by 2^(m_old - m_new), P = 2^(S - m).
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = row_max[h];
@@ -213,14 +229,9 @@ __global__ void __launch_bounds__(384, 1)
         mx = quad_max(mx);
         // A row with no visible key so far keeps m = -inf; subtracting 0 then gives P = 0.
         const float m_use = mx == -INFINITY ? 0.f : mx;
-        const float corr = exp2_approx(row_max[h] - m_use);
+        corr[h] = exp2_approx(row_max[h] - m_use);
         row_max[h] = mx;
-        row_sum[h] *= corr;
-#pragma unroll
-        for (int i = 0; i < kNO / 4; ++i) {
-          acc_o[4 * i + 2 * h] *= corr;
-          acc_o[4 * i + 2 * h + 1] *= corr;
-        }
+        row_sum[h] *= corr[h];
 #pragma unroll
         for (int i = 0; i < kNS / 4; ++i)
 #pragma unroll
@@ -229,10 +240,16 @@ __global__ void __launch_bounds__(384, 1)
             row_sum[h] += acc_s[4 * i + c];
           }
       }
-
-      // P as wgmma A fragments: per warp the m16k16 layout of mma.sync, so k16 step kk is
-      // accumulator columns 16 kk .. 16 kk + 15, i.e. elements 8 kk .. 8 kk + 7.
-      uint32_t rP[kBlockN / 16][4];
+    };
+    auto rescale_o = [&](const float (&corr)[2]) {
+#pragma unroll
+      for (int i = 0; i < kNO / 4; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_o[4 * i + c] *= corr[c / 2];
+    };
+    // P as wgmma A fragments: per warp the m16k16 layout of mma.sync, so k16 step kk is
+    // accumulator columns 16 kk .. 16 kk + 15, i.e. elements 8 kk .. 8 kk + 7.
+    auto convert_p = [&](const float (&acc_s)[kNS], uint32_t (&rP)[kBlockN / 16][4]) {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         rP[kk][0] = pack2<T>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);  // row g,     k 2tig
@@ -240,24 +257,38 @@ __global__ void __launch_bounds__(384, 1)
         rP[kk][2] = pack2<T>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);  // row g,     k 8 + 2tig
         rP[kk][3] = pack2<T>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);  // row g + 8, k 8 + 2tig
       }
+    };
 
-      // O += P V: K = kBlockN keys in k16 steps of 16 rows (2 swizzle atoms, 2048 bytes) of
-      // every column block; N = H, the column blocks LBO = kBlockN * 128 bytes apart.
-      mbar_wait(bar_v + 8 * s, parity);
-      fence_regs(acc_o);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t bv = sw128_desc(sV + stage + kk * 16 * kRowBytes, kBlockN * kRowBytes, 1024);
-        Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], bv, 1);
-      }
-      wgmma_commit();
+    // Intra-warpgroup overlap (FA3): S of tile it and P V of tile it - 1 are in flight
+    // together; the softmax of tile it runs while P V still does, and only the O rescale
+    // waits for it.
+    uint32_t rP[kBlockN / 16][4];  // P of the previous tile, read by its in-flight P V
+    if (n_blocks > 0) {
+      float acc_s[kNS], corr[2];
+      issue_qk(acc_s, 0);
+      wgmma_wait<0>();
+      fence_regs(acc_s);
+      softmax(acc_s, 0, corr);  // O is still 0: no rescale
+      convert_p(acc_s, rP);
+    }
+    for (int it = 1; it < n_blocks; ++it) {
+      float acc_s[kNS], corr[2];
+      issue_qk(acc_s, it);
+      issue_pv(rP, it - 1);
+      wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
+      fence_regs(acc_s);
+      softmax(acc_s, it, corr);
       wgmma_wait<0>();
       fence_regs(acc_o);
-
-      // Both GEMMs reading stage s are complete: hand it back to the producer.
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+      release(it - 1);
+      rescale_o(corr);
+      convert_p(acc_s, rP);
+    }
+    if (n_blocks > 0) {
+      issue_pv(rP, n_blocks - 1);
+      wgmma_wait<0>();
+      fence_regs(acc_o);
+      release(n_blocks - 1);
     }
 
     // Epilogue: O = acc / l, lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0 and
