@@ -22,13 +22,16 @@ fi
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
+    smoke) for D in 64 128; do for c in "" --causal; do
+          timeout 60 python3 benchmarks/profile_kernels.py --small --D $D $c --reps 1 || echo "SMOKE FAILED D=$D $c"
+        done; done ;;
     tests) timeout 420 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     main) timeout 300 python3 -m jaxflash 2>&1 | tee "$OUT/main.log" | grep -v "\]" ;;
     bench-quick) timeout 300 python3 benchmarks/bench.py --dims 128 --seqlens 4096 --out "$OUT" \
         --commit "$COMMIT" --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
     bench) timeout 540 python3 benchmarks/bench.py --out "$OUT" --commit "$COMMIT" \
         --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
-    profile) timeout 300 ncu --kernel-name regex:'flash_fwd_kernel|main_kernel' --launch-skip 2 \
+    profile) timeout 300 ncu --kernel-name regex:'flash_fwd|main_kernel' --launch-skip 2 \
         --launch-count 2 --set full -o "$OUT/prof" python3 benchmarks/profile_kernels.py >"$OUT/ncu.log" 2>&1
         ncu --import "$OUT/prof.ncu-rep" --page details > "$OUT/prof.txt" 2>&1
         grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Shared Memory Configuration Size|L1/TEX Hit|Bank|Warp Cycles Per Issued|Executed Ipc A" "$OUT/prof.txt" | head -40

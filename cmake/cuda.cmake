@@ -24,6 +24,10 @@ target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_WITH_CUDA)
 foreach(hdim ${JAXFLASH_HEAD_DIMS})
   target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_HDIM${hdim})
 endforeach()
+# The sm90 forward (wgmma, setmaxnreg) needs the arch-specific sm_90a target.
+if("90a" IN_LIST JAXFLASH_CUDA_ARCHS)
+  target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_SM90)
+endif()
 target_compile_options(_jaxflash_ext PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo --use_fast_math>)
 target_link_libraries(_jaxflash_ext PRIVATE CUDA::cudart_static)

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cuda/dispatch.h"
+#include "cuda/sm90/select.h"
 #include "ffi_params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -49,7 +50,7 @@ struct FwdLaunch {
   cudaStream_t stream;
   template <typename T, int kHeadDim, bool kCausal>
   void operator()() const {
-    cuda::run_fwd<T, kHeadDim, kCausal>(p, stream);
+    cuda::run_fwd_best<T, kHeadDim, kCausal>(p, stream);  // sm90 path where it applies
   }
 };
 

@@ -1,0 +1,406 @@
+// FlashAttention-3-style forward for Hopper (sm_90a): TMA loads, wgmma, warp specialization.
+//
+// A CTA of 3 warpgroups owns a (kBlockM = 128, H) tile of queries of one (batch b, head n):
+//   - warpgroup 0, the producer, gives up registers (setmaxnreg.dec); one thread issues the
+//     TMA copies: the Q tile once, then the (kBlockN, H) K and V tiles of kv head n / group
+//     into a 2-stage shared-memory ring, each completing on its own mbarrier;
+//   - warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc) and own 64 query
+//     rows each: S = Q K^T by wgmma from shared memory, the online softmax in registers, then
+//     O += P V by wgmma with P from registers; they hand a stage back to the producer through
+//     its "empty" mbarrier once both GEMMs that read it have completed. As in FA3, S of tile
+//     j + 1 and P V of tile j are in flight together while the softmax of j + 1 runs.
+// Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
+// causal diagonal) come first; masking is skipped on every other tile.
+//
+// Shared tiles are TMA's 128-byte swizzle: a (rows, H) tile is H / 64 column blocks of
+// (rows, 64) elements, each row 128 bytes with its 16-byte chunk c stored at c ^ (row % 8).
+// Every block starts on a 1024-byte boundary, so the wgmma descriptors (128B swizzle, base
+// offset 0) see the same pattern. K-major operands (Q, K) step 16 elements along H by adding
+// 32 bytes inside a column block; V is read as an MN-major B operand (N = H contiguous).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "../../params.h"
+#include "../mma.cuh"
+#include "hopper.cuh"
+#include "wgmma_gen.h"
+
+namespace jaxflash::cuda {
+namespace sm90 {
+
+// Key tile widths. Correctness first: 128 for both head dims (FA3 reaches its peak with 176
+// for d128 non-causal and 192 x 128 tiles for d64; Wgmma<176>/<192> exist for that step).
+template <int kHeadDim, bool kCausal>
+struct FwdTileSm90 {
+  static constexpr int kBlockN = 128;
+};
+
+template <typename T, int kHeadDim, bool kCausal>
+struct FwdCfgSm90 {
+  static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
+  static constexpr int kBlockN = FwdTileSm90<kHeadDim, kCausal>::kBlockN;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  // 24 + 2 x 240 registers per thread of the 3 warpgroups fit the 64K register file; at entry
+  // __launch_bounds__(384, 1) gives each thread 168.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kSwzCols = 64;  // elements in one 128-byte swizzled row
+  static constexpr int kColBlocks = kHeadDim / kSwzCols;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
+  // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], then mbarriers
+  // q, full_k[kStages], full_v[kStages], empty[kStages].
+  static constexpr uint32_t kOffQ = 0;
+  static constexpr uint32_t kOffK = kOffQ + kQBytes;
+  static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
+  static constexpr uint32_t kOffBar = kOffV + kStages * kKVBytes;
+  static constexpr int kNumBars = 1 + 3 * kStages;
+  static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 1024;  // + slack to align the base
+
+  static_assert(kHeadDim % kSwzCols == 0, "whole 128-byte swizzle rows");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N and TMA box rows");
+  static_assert((kBlockN * 128) % 1024 == 0, "column blocks of K/V start on swizzle atoms");
+  static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
+};
+
+template <typename T, int kHeadDim, bool kCausal>
+__global__ void __launch_bounds__(384, 1)
+    flash_fwd_sm90_kernel(const FwdParams p, const __grid_constant__ CUtensorMap tma_q,
+                          const __grid_constant__ CUtensorMap tma_k,
+                          const __grid_constant__ CUtensorMap tma_v, int num_m_blocks) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal>;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+  constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);  // generic pointer to the aligned base
+  const uint32_t sQ = base + Cfg::kOffQ;  // (kColBlocks, kBlockM, 64)
+  const uint32_t sK = base + Cfg::kOffK;  // (kStages, kColBlocks, kBlockN, 64)
+  const uint32_t sV = base + Cfg::kOffV;  // (kStages, kColBlocks, kBlockN, 64)
+  const uint32_t bar_q = base + Cfg::kOffBar;
+  const uint32_t bar_k = bar_q + 8;                 // full_k[stage] at + 8 * stage
+  const uint32_t bar_v = bar_k + 8 * kStages;       // full_v[stage]
+  const uint32_t bar_empty = bar_v + 8 * kStages;   // empty[stage]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+  // blockIdx.x enumerates (b, n, m_block), m_block fastest (the query tiles of one head share
+  // its K/V in L2); causal runs the longest rows first. Rows are int (T, S < 2^30).
+  const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
+  int m_block = static_cast<int>(blockIdx.x % num_m_blocks);
+  const int64_t bn = blockIdx.x / num_m_blocks;  // b * N + n
+  const int64_t n = bn % p.n, b = bn / p.n;
+  if (kCausal) m_block = num_m_blocks - 1 - m_block;
+  const int64_t kvh = n / (p.n / p.kh);  // GQA: kv head of query head n
+  const int m0 = m_block * kBlockM;
+  // Keys this tile needs: all S, or under causal up to its last row t (s <= t).
+  const int kv_len = kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len;
+  const int n_blocks = (kv_len + kBlockN - 1) / kBlockN;
+
+  if (tid == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_k + 8 * s, 1);
+      mbar_init(bar_v + 8 * s, 1);
+      mbar_init(bar_empty + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // Producer warpgroup: one thread issues every copy; the rest have nothing to do.
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (tid == 0) {
+      tma_prefetch_desc(&tma_q);
+      tma_prefetch_desc(&tma_k);
+      tma_prefetch_desc(&tma_v);
+      // Box coordinates, innermost first: (column, head, row, batch).
+      const int ci_n = static_cast<int>(n), ci_kvh = static_cast<int>(kvh), ci_b = static_cast<int>(b);
+      mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
+#pragma unroll
+      for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
+        tma_load_4d(sQ + cb * kBlockM * kRowBytes, &tma_q, bar_q, cb * 64, ci_n, m0, ci_b);
+      for (int it = 0; it < n_blocks; ++it) {
+        const int j = n_blocks - 1 - it, s = it % kStages;
+        // Stage s last held tile it - kStages: wait until both consumers released it.
+        if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
+        const uint32_t stage = s * Cfg::kKVBytes;
+        mbar_arrive_expect_tx(bar_k + 8 * s, Cfg::kKVBytes);
+#pragma unroll
+        for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
+          tma_load_4d(sK + stage + cb * kBlockN * kRowBytes, &tma_k, bar_k + 8 * s, cb * 64,
+                      ci_kvh, j * kBlockN, ci_b);
+        mbar_arrive_expect_tx(bar_v + 8 * s, Cfg::kKVBytes);
+#pragma unroll
+        for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
+          tma_load_4d(sV + stage + cb * kBlockN * kRowBytes, &tma_v, bar_v + 8 * s, cb * 64,
+                      ci_kvh, j * kBlockN, ci_b);
+      }
+    }
+  } else {
+    setmaxnreg_inc<Cfg::kConsumerRegs>();
+    const int cw = warp / 4 - 1;          // consumer warpgroup: tile rows 64 cw .. 64 cw + 63
+    const int wr = 64 * cw + (warp % 4) * 16;  // this warp's first tile row (wgmma: 16 per warp)
+    const int g = lane / 4, tig = lane % 4;    // accumulator rows g, g + 8; column pair tig
+    constexpr int kNS = kBlockN / 2;   // S accumulator floats per thread: (64, kBlockN) / 128
+    constexpr int kNO = kHeadDim / 2;  // O accumulator floats per thread: (64, H) / 128
+    // Accumulator element 4 i + c sits at row g + 8 (c / 2), column 8 i + 2 tig + c % 2.
+
+    float acc_o[kNO];  // (64, H) fp32 per warpgroup
+#pragma unroll
+    for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY};  // log2-scaled logits, rows g and g + 8
+    float row_sum[2] = {0.f, 0.f};              // this lane's share; quad-summed at the end
+
+    const uint32_t q_rows = sQ + 64 * cw * kRowBytes;  // this warpgroup's rows, column block 0
+    mbar_wait(bar_q, 0);
+
+    // The steps of one key tile it (tile j = n_blocks - 1 - it, ring stage it % kStages).
+    // S = Q K^T: (64, kBlockN) per warpgroup, K = H in k16 steps; committed, not waited for.
+    auto issue_qk = [&](float (&acc_s)[kNS], int it) {
+      const uint32_t stage = (it % kStages) * Cfg::kKVBytes;
+      mbar_wait(bar_k + 8 * (it % kStages), (it / kStages) & 1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const uint32_t col = (kk % 4) * 32;  // byte offset of k16 step kk inside a 128-byte row
+        const uint64_t a = sw128_desc(q_rows + (kk / 4) * kBlockM * kRowBytes + col, 16, 1024);
+        const uint64_t bk = sw128_desc(sK + stage + (kk / 4) * kBlockN * kRowBytes + col, 16, 1024);
+        Wgmma<kBlockN>::template ss<T>(acc_s, a, bk, kk > 0);
+      }
+      wgmma_commit();
+    };
+    // O += P V: K = kBlockN keys in k16 steps of 16 rows (2 swizzle atoms, 2048 bytes) of
+    // every column block; N = H, the column blocks LBO = kBlockN * 128 bytes apart.
+    auto issue_pv = [&](const uint32_t (&rP)[kBlockN / 16][4], int it) {
+      const uint32_t stage = (it % kStages) * Cfg::kKVBytes;
+      mbar_wait(bar_v + 8 * (it % kStages), (it / kStages) & 1);
+      fence_regs(acc_o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t bv = sw128_desc(sV + stage + kk * 16 * kRowBytes, kBlockN * kRowBytes, 1024);
+        Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], bv, 1);
+      }
+      wgmma_commit();
+    };
+    // Both GEMMs that read the stage of tile it are complete: hand it back to the producer.
+    auto release = [&](int it) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * (it % kStages));
+    };
+    // Online softmax of a completed S: logits in log2 units, keys >= S and under causal keys
+    // s > t set to -inf (only on tiles reaching past S or past this warp's first row), new
+    // running max, l rescaled and P = 2^(S - m) in place; corr = 2^(m_old - m_new) is left
+    // for O, which may still be accumulating the previous tile.
+    auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
+      const int n0 = (n_blocks - 1 - it) * kBlockN;
+#pragma unroll
+      for (int i = 0; i < kNS; ++i) acc_s[i] *= p.scale_log2;
+      if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
+        const int kv_limit = s_len - n0;  // tile-relative key bound
+        const int diag = m0 + wr - n0;    // column col is hidden from warp row r when col - r > diag
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int col = 8 * i + 2 * tig + c % 2, row = g + 8 * (c / 2);
+            if (col >= kv_limit || (kCausal && col - row > diag)) acc_s[4 * i + c] = -INFINITY;
+          }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = row_max[h];
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i)
+          mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
+        mx = quad_max(mx);
+        // A row with no visible key so far keeps m = -inf; subtracting 0 then gives P = 0.
+        const float m_use = mx == -INFINITY ? 0.f : mx;
+        corr[h] = exp2_approx(row_max[h] - m_use);
+        row_max[h] = mx;
+        row_sum[h] *= corr[h];
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+          for (int c = 2 * h; c < 2 * h + 2; ++c) {
+            acc_s[4 * i + c] = exp2_approx(acc_s[4 * i + c] - m_use);
+            row_sum[h] += acc_s[4 * i + c];
+          }
+      }
+    };
+    auto rescale_o = [&](const float (&corr)[2]) {
+#pragma unroll
+      for (int i = 0; i < kNO / 4; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_o[4 * i + c] *= corr[c / 2];
+    };
+    // P as wgmma A fragments: per warp the m16k16 layout of mma.sync, so k16 step kk is
+    // accumulator columns 16 kk .. 16 kk + 15, i.e. elements 8 kk .. 8 kk + 7.
+    auto convert_p = [&](const float (&acc_s)[kNS], uint32_t (&rP)[kBlockN / 16][4]) {
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        rP[kk][0] = pack2<T>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);  // row g,     k 2tig
+        rP[kk][1] = pack2<T>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);  // row g + 8, k 2tig
+        rP[kk][2] = pack2<T>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);  // row g,     k 8 + 2tig
+        rP[kk][3] = pack2<T>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);  // row g + 8, k 8 + 2tig
+      }
+    };
+
+    // Intra-warpgroup overlap (FA3): S of tile it and P V of tile it - 1 are in flight
+    // together; the softmax of tile it runs while P V still does, and only the O rescale
+    // waits for it.
+    uint32_t rP[kBlockN / 16][4];  // P of the previous tile, read by its in-flight P V
+    if (n_blocks > 0) {
+      float acc_s[kNS], corr[2];
+      issue_qk(acc_s, 0);
+      wgmma_wait<0>();
+      fence_regs(acc_s);
+      softmax(acc_s, 0, corr);  // O is still 0: no rescale
+      convert_p(acc_s, rP);
+    }
+    for (int it = 1; it < n_blocks; ++it) {
+      float acc_s[kNS], corr[2];
+      issue_qk(acc_s, it);
+      issue_pv(rP, it - 1);
+      wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
+      fence_regs(acc_s);
+      softmax(acc_s, it, corr);
+      wgmma_wait<0>();
+      fence_regs(acc_o);
+      release(it - 1);
+      rescale_o(corr);
+      convert_p(acc_s, rP);
+    }
+    if (n_blocks > 0) {
+      issue_pv(rP, n_blocks - 1);
+      wgmma_wait<0>();
+      fence_regs(acc_o);
+      release(n_blocks - 1);
+    }
+
+    // Epilogue: O = acc / l, lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0 and
+    // lse = -inf. O is staged in this warp's own rows of sQ (same swizzle) for 16-byte stores;
+    // the barrier makes sure no wgmma of the warpgroup still reads sQ.
+    named_barrier_sync(1 + cw, 128);
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
+    float* gLse = p.lse + bn * p.t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = quad_sum(row_sum[h]);
+      const float inv = l == 0.f ? 0.f : 1.f / l;
+      const int row = wr + g + 8 * h;
+#pragma unroll
+      for (int i = 0; i < kNO / 4; ++i) {
+        const int chunk = i % 8;  // 16-byte chunk of column 8 i within its column block
+        const uint32_t off = (i / 8) * kBlockM * kRowBytes + row * kRowBytes +
+                             ((chunk ^ (row % 8)) * 16) + tig * 4;
+        *reinterpret_cast<uint32_t*>(smem + Cfg::kOffQ + off) =
+            pack2<T>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+      }
+      if (tig == 0 && m0 + row < t_len)
+        gLse[m0 + row] = l == 0.f ? -INFINITY : (row_max[h] + log2f(l)) * 0.6931471805599453f;
+    }
+    __syncwarp();
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+#pragma unroll
+    for (int k = 0; k < 16 * kChunks / 32; ++k) {
+      const int idx = k * 32 + lane;
+      const int row = wr + idx / kChunks, c = idx % kChunks;
+      const uint32_t off = (c / 8) * kBlockM * kRowBytes + row * kRowBytes + (((c % 8) ^ (row % 8)) * 16);
+      if (m0 + row < t_len)
+        *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(m0 + row) * p.o_row_stride + c * 8) =
+            *reinterpret_cast<const uint4*>(smem + Cfg::kOffQ + off);
+    }
+  }
+#else
+  __trap();  // only the sm_90a build of this kernel is ever launched (see select.h)
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, found once through the runtime so that the
+// extension does not link libcuda; null when the driver lacks it.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return EncodeTiledFn{nullptr};
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// The (H, heads, L, B) view of a BTNH (or BSKH) tensor, innermost first, and a box of
+// (64, 1, box_rows, 1): box_rows rows of one (batch, head), 128 bytes of each, swizzled.
+// Rows past L read as zeros and never cross into the next batch.
+template <typename T>
+bool encode_btnh(CUtensorMap* map, const void* ptr, int64_t h, int64_t heads, int64_t len,
+                 int64_t batch, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
+                 int box_rows) {
+  const EncodeTiledFn fn = encode_tiled();
+  if (fn == nullptr) return false;
+  constexpr int64_t kBytes = sizeof(T);
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(h), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(len), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_stride * kBytes),
+                                 static_cast<cuuint64_t>(row_stride * kBytes),
+                                 static_cast<cuuint64_t>(batch_stride * kBytes)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType dtype = std::is_same_v<T, __nv_bfloat16>
+                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return fn(map, dtype, 4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace sm90
+
+// Launches the sm90 forward on `stream`; false (nothing launched) when the TMA descriptors
+// cannot be built. Preconditions (select.h checks them): a cc 9.x device, p.s > 0, no variant.
+template <typename T, int kHeadDim, bool kCausal>
+bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = sm90::FwdCfgSm90<T, kHeadDim, kCausal>;
+  CUtensorMap tma_q, tma_k, tma_v;
+  if (!sm90::encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
+                            p.q_batch_stride, Cfg::kBlockM) ||
+      !sm90::encode_btnh<T>(&tma_k, p.k, p.h, p.kh, p.s, p.b, p.k_head_stride, p.k_row_stride,
+                            p.k_batch_stride, Cfg::kBlockN) ||
+      !sm90::encode_btnh<T>(&tma_v, p.v, p.hv, p.kh, p.s, p.b, p.v_head_stride, p.v_row_stride,
+                            p.v_batch_stride, Cfg::kBlockN))
+    return false;
+  const int64_t num_m_blocks = (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int64_t grid = num_m_blocks * p.n * p.b;  // < 2^31 for anything that fits in memory
+  if (grid == 0) return true;
+  auto kernel = sm90::flash_fwd_sm90_kernel<T, kHeadDim, kCausal>;
+  // A failure shows up in the caller's cudaGetLastError().
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Cfg::kSmemBytes) != cudaSuccess)
+    return true;
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+      p, tma_q, tma_k, tma_v, static_cast<int>(num_m_blocks));
+  return true;
+}
+
+}  // namespace jaxflash::cuda

@@ -1,0 +1,82 @@
+// Chooses between the sm90 (TMA + wgmma) forward and the sm80 (mma.sync) one at run time.
+// The sm90 kernel is compiled only when the build targets sm_90a (JAXFLASH_SM90, set by
+// cmake/cuda.cmake) and runs only on a cc 9.x device, for plain attention (no variant) with
+// at least one key. JAXFLASH_DISABLE_SM90=1 forces the sm80 kernel (A/B benchmarking).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "../launch.h"
+
+namespace jaxflash::cuda {
+
+#ifdef JAXFLASH_SM90
+// Defined in sm90/flash_fwd_sm90.cuh; false when nothing was launched (no TMA descriptors).
+template <typename T, int kHeadDim, bool kCausal>
+bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+
+// Compute capability major of the current device, queried once per device.
+inline int current_cc_major() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices] = {};  // 0: not queried yet
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev >= 0 && dev < kMaxDevices && (major = cache[dev].load(std::memory_order_relaxed)) != 0)
+    return major;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return 0;
+  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(major, std::memory_order_relaxed);
+  return major;
+}
+
+inline bool sm90_disabled_by_env() {
+  static const bool disabled = [] {
+    const char* v = std::getenv("JAXFLASH_DISABLE_SM90");
+    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+  }();
+  return disabled;
+}
+
+// Only plain attention: the sm90 kernel implements none of the variant fields of FwdParams.
+inline bool no_variant(const FwdParams& p) {
+  return p.bias == nullptr && p.mask == nullptr && p.q_lengths == nullptr &&
+         p.kv_lengths == nullptr && p.q_segment_ids == nullptr && p.kv_segment_ids == nullptr &&
+         p.alibi_slopes == nullptr && p.dropout_seeds == nullptr && p.dropout_rate == 0.f &&
+         p.window_left < 0 && p.window_right < 0 && !p.bottom_right && p.softcap == 0.f;
+}
+
+// TMA wants 16-byte multiples below 2^40 for every byte stride (elements are 2 bytes).
+inline bool tma_strides_ok(const FwdParams& p) {
+  for (int64_t st : {p.q_head_stride, p.q_row_stride, p.q_batch_stride, p.k_head_stride,
+                     p.k_row_stride, p.k_batch_stride, p.v_head_stride, p.v_row_stride,
+                     p.v_batch_stride})
+    if (st <= 0 || (2 * st) % 16 != 0 || 2 * st >= (int64_t{1} << 40)) return false;
+  return true;
+}
+
+inline bool use_fwd_sm90(const FwdParams& p) {
+  return !sm90_disabled_by_env() && p.s > 0 && no_variant(p) && tma_strides_ok(p) &&
+         p.b < (int64_t{1} << 31) && current_cc_major() == 9;
+}
+#endif
+
+// The forward the handler launches: sm90 where it applies, else sm80.
+template <typename T, int kHeadDim, bool kCausal>
+void run_fwd_best(const FwdParams& p, cudaStream_t stream) {
+#ifdef JAXFLASH_SM90
+  if (use_fwd_sm90(p)) {
+    if (run_fwd_sm90<T, kHeadDim, kCausal>(p, stream)) return;
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true))
+      std::fprintf(stderr, "jaxflash: cannot build TMA descriptors; using the sm80 forward\n");
+  }
+#endif
+  run_fwd<T, kHeadDim, kCausal>(p, stream);
+}
+
+}  // namespace jaxflash::cuda
