@@ -313,30 +313,29 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
   const int m0 = m_block * kBlockM;      // first query row of the tile
   const int row_in = tid / kChunks;      // first tile row this thread copies
 
-  // Keys [key_lo, key_hi) this tile needs: all S, or under causal up to its last stored row
-  // t (s <= t); with variants, the range of FwdVariants. Key tiles start at key_lo and are
-  // read no further than key_hi (the rest of the last tile is zero-filled).
-  __shared__ std::conditional_t<kVariants, FwdVariants<T, kBlockM, kBlockN>, NoVariants> vs;
-  int key_hi = kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len;
-  int kv_end = s_len;
-  int n0 = 0;  // first key of this iteration's tile
-  if constexpr (kVariants) {
-    if (warp == 0) vs.init(p, b, n, m0, lane);
-    __syncthreads();
-    key_hi = kv_end = vs.key_hi;
-    n0 = vs.next_live(vs.key_lo, lane);
-  }
-
   const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
   Cfg::template load_tile<kBlockM>(sQ, Cfg::thread_src(gQ, p.q_row_stride, m0, tid),
                                    p.q_row_stride, t_len - m0 - row_in, tid);
-  // This thread's source rows of K/V tile 0; tile j starts j * kBlockN rows further.
+  // This thread's source rows of K/V key 0; the tile at key n0 starts n0 rows further.
   const T* gK = Cfg::thread_src(
       static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride,
       p.k_row_stride, 0, tid);
   const T* gV = Cfg::thread_src(
       static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride,
       p.v_row_stride, 0, tid);
+  // Keys [key_lo, key_hi) this tile needs: all S, or under causal up to its last stored row
+  // t (s <= t); with variants, the range of FwdVariants, whose tiles start at key_lo and
+  // read no key at or past key_hi (the rest of the last tile is zero-filled).
+  __shared__ std::conditional_t<kVariants, FwdVariants<T, kBlockM, kBlockN>, NoVariants> vs;
+  int key_hi = kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len;
+  int kv_end = s_len;
+  int n0 = 0;  // first key of this iteration's tile
+  if constexpr (kVariants) {
+    if (warp == 0) vs.init(p, b, n, m0, lane);  // while Q lands
+    __syncthreads();
+    key_hi = kv_end = vs.key_hi;
+    n0 = vs.next_live(vs.key_lo, lane);
+  }
   if (n0 < key_hi) {
     Cfg::template load_tile<kBlockN>(sK, gK + n0 * p.k_row_stride, p.k_row_stride,
                                      kv_end - n0 - row_in, tid);
