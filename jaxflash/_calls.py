@@ -4,9 +4,10 @@ Output types come from jax.typeof(q).update(...), not a bare ShapeDtypeStruct, s
 inside shard_map they keep q's varying-axis type (a bare struct makes autodiff insert a
 psum and the gradients come out wrong).
 
-The CPU targets take every variant operand in the order of VARIANT_OPERANDS; an absent one is
-passed as a zero-element placeholder and marked dead by its `has_*` attr (csrc/ffi_params.h
-checks both). The CUDA targets take none yet: attention.py never routes variants to them.
+The CPU and CUDA targets take every variant operand in the order of VARIANT_OPERANDS; an absent
+one is passed as a zero-element placeholder and marked dead by its `has_*` attr
+(csrc/ffi_params.h checks both). The CUDA forward runs every variant; the CUDA backward none
+yet, so bwd(platform='cuda') raises for them (attention.py routes them to the reference VJP).
 """
 
 from __future__ import annotations
@@ -75,14 +76,19 @@ def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate):
   return operands, attrs
 
 
-def _check_cuda(variants, window, bottom_right, softcap, dropout_rate):
-  used = [name for name, x in (variants or {}).items() if x is not None]
+def _check_cuda_bwd(variants, window, bottom_right, softcap, dropout_rate, deterministic):
+  """Raises (at trace time) a ValueError naming what the CUDA backward kernel lacks."""
+  used = [name for name, x in (variants or {}).items()
+          if x is not None and name != "dropout_seeds"]
   used += [name for name, on in (("local_window_size", window is not None),
                                  ("causal_alignment", bottom_right),
                                  ("logits_soft_cap", bool(softcap)),
-                                 ("dropout_rate", dropout_rate > 0)) if on]
+                                 ("dropout_rate", dropout_rate > 0),
+                                 ("deterministic_backward", deterministic)) if on]
   if used:
-    raise ValueError(f"the CUDA kernels do not support {used} yet")
+    raise ValueError(f"the CUDA backward kernel does not support {used} yet (the CUDA forward "
+                     "does); use implementation=None, which differentiates these through the "
+                     "reference VJP on GPU, or implementation='xla'")
 
 
 def fwd(q, k, v, variants=None, *, scale: float, is_causal: bool, platform: str, window=None,
@@ -92,9 +98,6 @@ def fwd(q, k, v, variants=None, *, scale: float, is_causal: bool, platform: str,
                _like(q, _lse_shape(q), jnp.float32))
   call = jax.ffi.ffi_call(f"jaxflash_fwd_{platform}", out_types, vmap_method="broadcast_all")
   base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
-  if platform == "cuda":
-    _check_cuda(variants, window, bottom_right, softcap, dropout_rate)
-    return call(q, k, v, **base)
   operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate)
   return call(q, k, v, *operands, **base, **attrs)
 
@@ -107,16 +110,11 @@ def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal
   grads = tuple(_like(x, x.shape, x.dtype) for x in (q, k, v))
   base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
   if platform == "cuda":
-    _check_cuda(variants, window, bottom_right, softcap, dropout_rate)
-    if deterministic:
-      raise ValueError("the CUDA kernels do not support deterministic_backward yet")
-    call = jax.ffi.ffi_call("jaxflash_bwd_cuda", grads, vmap_method="broadcast_all")
-    dq, dk, dv = call(q, k, v, out, lse, dout, dlse, **base)
-    return (dq, dk, dv) if variants is None else (dq, dk, dv, None, None)
+    _check_cuda_bwd(variants, window, bottom_right, softcap, dropout_rate, deterministic)
   operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate)
   bias, alibi = operands[0], operands[6]
   out_types = grads + (_like(q, bias.shape, bias.dtype), _like(q, alibi.shape, alibi.dtype))
-  call = jax.ffi.ffi_call("jaxflash_bwd_cpu", out_types, vmap_method="broadcast_all")
+  call = jax.ffi.ffi_call(f"jaxflash_bwd_{platform}", out_types, vmap_method="broadcast_all")
   dq, dk, dv, dbias, dalibi = call(q, k, v, out, lse, dout, dlse, *operands, **base, **attrs,
                                    deterministic=bool(deterministic))
   if variants is None:

@@ -29,6 +29,9 @@ class _Config:
   # kernel per platform; "xla" means the reference (a fallback or the user's choice)
   cpu: str
   cuda: str
+  # the backward on GPU: the CUDA backward kernel runs no variant yet, so with variants
+  # implementation=None pairs the CUDA forward with the reference VJP ("xla")
+  cuda_bwd: str
   # pinned: run `cpu` or `cuda` regardless of platform (an explicit implementation=)
   pinned: str | None
   window: tuple[int, int] | None = None  # (left, right), see reference.window_bounds
@@ -73,8 +76,8 @@ def check_inputs(query, key, value):
                         query, key, value)
 
 
-def _cuda_support(query, value, variants=()) -> str | None:
-  """None when the CUDA kernel covers these inputs, else why not."""
+def _cuda_support(query, value) -> str | None:
+  """None when the CUDA forward kernel covers these inputs (every variant), else why not."""
   if not _ffi.cuda_built():
     return "jaxflash was built without CUDA kernels"
   if query.dtype.name not in KERNEL_DTYPES["cuda"]:
@@ -84,9 +87,6 @@ def _cuda_support(query, value, variants=()) -> str | None:
   if H != Hv or H not in _ffi.cuda_head_dims():
     return (f"the CUDA kernels support head dims {_ffi.cuda_head_dims()} with equal query "
             f"and value head dims, got H={H}, Hv={Hv}")
-  if variants:
-    return (f"the CUDA kernels do not support {', '.join(f'`{v}`' for v in variants)} yet "
-            "(implementation=None falls back to 'xla' on GPU for these)")
   return None
 
 
@@ -152,7 +152,7 @@ def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config):
     return vjp((dout, dlse))
 
   def kernel(platform):
-    impl = getattr(cfg, platform)
+    impl = cfg.cuda_bwd if platform == "cuda" else getattr(cfg, platform)
     if impl == "xla":
       return reference_vjp
     return lambda q, k, v, out, lse, dout, dlse, ops: _calls.bwd(
@@ -237,11 +237,16 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       and the reference see one mask.
     dropout_rng: a jax PRNG key; required when dropout_rate > 0.
     deterministic_backward: ask for a backward that is bit-identical across runs. The CPU
-      kernel and 'xla' on CPU always are; the CUDA kernels do not support it yet, so on
-      GPU implementation=None falls back to 'xla' and implementation='cuda' raises.
+      kernel and 'xla' on CPU always are; the CUDA backward does not support it yet (see
+      implementation).
     implementation: None (the best kernel for the platform the computation lowers to:
       CUDA on GPUs where it covers the inputs, the C++ kernel on CPU, else 'xla'),
-      'cuda', 'cpu', or 'xla' (the pure-JAX reference).
+      'cuda', 'cpu', or 'xla' (the pure-JAX reference). The CUDA forward runs every option
+      above; the CUDA backward none of bias, mask, seq lengths, window, bottom_right
+      alignment, segment ids, soft cap, ALiBi, dropout or deterministic_backward yet. With
+      any of them, implementation=None on GPU runs the CUDA forward and the 'xla'
+      backward (the reference VJP, same dropout mask), and implementation='cuda' runs the
+      forward but raises a ValueError naming the option when differentiated.
     return_residual: also return the logsumexp, (B, N, T) float32 (differentiable); -inf on
       rows that see no key.
 
@@ -388,7 +393,8 @@ def _check_window(local_window_size):
 
 
 def _resolve(query, value, implementation, scale, is_causal, variants=()) -> _Config:
-  cuda_reason = _cuda_support(query, value, variants)
+  """`variants`: the names of the options in use that the CUDA backward lacks."""
+  cuda_reason = _cuda_support(query, value)
   if implementation in ("cpu", None) and not _ffi.cpu_built():
     if implementation == "cpu":
       raise ValueError(f"implementation='cpu' is not available: the jaxflash extension did "
@@ -397,7 +403,9 @@ def _resolve(query, value, implementation, scale, is_causal, variants=()) -> _Co
     raise ValueError(f"implementation='cuda' cannot run these inputs: {cuda_reason}")
   cpu = "cpu" if _ffi.cpu_built() else "xla"
   cuda = "xla" if cuda_reason else "cuda"
-  return _Config(scale=scale, is_causal=is_causal, cpu=cpu, cuda=cuda,
+  # pinned to 'cuda', the CUDA backward is kept so that _calls.bwd names what it lacks
+  cuda_bwd = "xla" if cuda == "xla" or (variants and implementation is None) else "cuda"
+  return _Config(scale=scale, is_causal=is_causal, cpu=cpu, cuda=cuda, cuda_bwd=cuda_bwd,
                  pinned=implementation)
 
 

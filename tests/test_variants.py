@@ -3,8 +3,10 @@
 Each case runs the implementation on bf16 inputs and checks out, lse, dq, dk, dv (and dbias,
 dalibi) with the accuracy rule against the reference on float32 copies; the reference on the
 bf16 inputs gives the error bar. Shapes are small, with lengths that are not tile multiples.
+The CUDA cases (GPU only) run the same variants at the head dims the CUDA kernels have.
 """
 
+import functools
 import importlib
 
 import jax
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from common import IMPLEMENTATIONS, assert_accurate, on_device
+from common import IMPLEMENTATIONS, assert_accurate, gpu, on_device
 from jaxflash.reference import attention_reference, dropout_keep, dropout_seeds
 
 B, T, S, N, K, H, HV = 2, 37, 70, 4, 2, 24, 16
@@ -32,40 +34,44 @@ def _ids(seed, length, docs):
   return jnp.sort(cuts, axis=-1).astype(jnp.int32)
 
 
-LENGTHS = dict(query_seq_lengths=jnp.array([29, 0], jnp.int32),
-               key_value_seq_lengths=jnp.array([51, 70], jnp.int32))
+@functools.cache
+def _cases(T, S):
+  """name -> (static kwargs, differentiable kwargs) for query length T and key length S."""
+  LENGTHS = dict(query_seq_lengths=jnp.array([T * 29 // 37, 0], jnp.int32),
+                 key_value_seq_lengths=jnp.array([S * 51 // 70, S], jnp.int32))
+  return {
+      "lengths_causal": (dict(is_causal=True, **LENGTHS), {}),
+      "bottom_right_causal": (dict(is_causal=True, causal_alignment="bottom_right"), {}),
+      "bottom_right_lengths_window": (dict(is_causal=True, causal_alignment="bottom_right",
+                                           local_window_size=(9, 0), **LENGTHS), {}),
+      "window_int": (dict(local_window_size=7), {}),
+      "window_pair_causal": (dict(local_window_size=(12, 3), is_causal=True), {}),
+      "segments_causal_window": (dict(query_segment_ids=_ids(1, T, 3),
+                                      key_value_segment_ids=_ids(2, S, 3),
+                                      is_causal=True, local_window_size=(20, 20)), {}),
+      "softcap_alibi": (dict(logits_soft_cap=1.5), dict(alibi_slopes=jnp.abs(_rand(2, (N,))))),
+      "alibi_batched_bottom_right": (dict(causal_alignment="bottom_right", is_causal=True),
+                                     dict(alibi_slopes=jnp.abs(_rand(3, (B, N))))),
+      "mask_lengths": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(4), 0.6, (B, 1, T, S)),
+                            **LENGTHS), {}),
+      "mask_rank2_causal": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(5), 0.3, (T, S)),
+                                 is_causal=True), {}),
+      "bias_heads_rows_causal": (dict(is_causal=True), dict(bias=_rand(6, (1, N, T, 1)))),
+      "bias_full_mask": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, (B, N, T, S))),
+                         dict(bias=_rand(8, (B, N, T, S)))),
+      "bias_keys_lengths_f32": (dict(**LENGTHS), dict(bias=_rand(9, (B, 1, 1, S)))),
+      "dropout_window": (dict(dropout_rate=0.25, dropout_rng=jax.random.key(10),
+                              local_window_size=(30, 5)), {}),
+      "everything": (dict(is_causal=True, causal_alignment="bottom_right",
+                          local_window_size=(25, 2), logits_soft_cap=3.0, dropout_rate=0.1,
+                          dropout_rng=jax.random.key(11), query_segment_ids=_ids(12, T, 2),
+                          key_value_segment_ids=_ids(12, S, 2), **LENGTHS,
+                          mask=jax.random.bernoulli(jax.random.PRNGKey(13), 0.8, (1, N, T, S))),
+                     dict(bias=_rand(14, (B, N, 1, S)), alibi_slopes=jnp.abs(_rand(15, (N,))))),
+  }
 
-# name -> (static kwargs, differentiable kwargs)
-CASES = {
-    "lengths_causal": (dict(is_causal=True, **LENGTHS), {}),
-    "bottom_right_causal": (dict(is_causal=True, causal_alignment="bottom_right"), {}),
-    "bottom_right_lengths_window": (dict(is_causal=True, causal_alignment="bottom_right",
-                                         local_window_size=(9, 0), **LENGTHS), {}),
-    "window_int": (dict(local_window_size=7), {}),
-    "window_pair_causal": (dict(local_window_size=(12, 3), is_causal=True), {}),
-    "segments_causal_window": (dict(query_segment_ids=_ids(1, T, 3),
-                                    key_value_segment_ids=_ids(2, S, 3),
-                                    is_causal=True, local_window_size=(20, 20)), {}),
-    "softcap_alibi": (dict(logits_soft_cap=1.5), dict(alibi_slopes=jnp.abs(_rand(2, (N,))))),
-    "alibi_batched_bottom_right": (dict(causal_alignment="bottom_right", is_causal=True),
-                                   dict(alibi_slopes=jnp.abs(_rand(3, (B, N))))),
-    "mask_lengths": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(4), 0.6, (B, 1, T, S)),
-                          **LENGTHS), {}),
-    "mask_rank2_causal": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(5), 0.3, (T, S)),
-                               is_causal=True), {}),
-    "bias_heads_rows_causal": (dict(is_causal=True), dict(bias=_rand(6, (1, N, T, 1)))),
-    "bias_full_mask": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, (B, N, T, S))),
-                       dict(bias=_rand(8, (B, N, T, S)))),
-    "bias_keys_lengths_f32": (dict(**LENGTHS), dict(bias=_rand(9, (B, 1, 1, S)))),
-    "dropout_window": (dict(dropout_rate=0.25, dropout_rng=jax.random.key(10),
-                            local_window_size=(30, 5)), {}),
-    "everything": (dict(is_causal=True, causal_alignment="bottom_right",
-                        local_window_size=(25, 2), logits_soft_cap=3.0, dropout_rate=0.1,
-                        dropout_rng=jax.random.key(11), query_segment_ids=_ids(12, T, 2),
-                        key_value_segment_ids=_ids(12, S, 2), **LENGTHS,
-                        mask=jax.random.bernoulli(jax.random.PRNGKey(13), 0.8, (1, N, T, S))),
-                   dict(bias=_rand(14, (B, N, 1, S)), alibi_slopes=jnp.abs(_rand(15, (N,))))),
-}
+
+CASES = _cases(T, S)
 
 
 def _cast(tree, dtype):
@@ -85,7 +91,34 @@ def _loss_and_grads(fn, q, k, v, diff, dout, dlse):
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_variant(impl, case):
-  static, diff = CASES[case]
+  _check_case(impl, case, T, S, H, HV)
+
+
+# GPU-sized: the CUDA kernels take H = Hv in (64, 128); T and S span several query and key
+# tiles (64/128 and 32/64), with lengths that are not tile multiples.
+GPU_T, GPU_S = 200, 333
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", [c for c in CASES if not c.endswith("f32")])
+def test_cuda_forward_variant(case, head_dim):
+  """implementation='cuda': the CUDA forward runs the variant (out and lse checked)."""
+  _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, with_grads=False)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", [c for c in CASES if not c.endswith("f32")])
+def test_cuda_default_variant_with_reference_vjp(case, head_dim):
+  """implementation=None on GPU: the CUDA forward and the reference VJP for the backward."""
+  _check_case(None, case, GPU_T, GPU_S, head_dim, head_dim, device="cuda")
+
+
+def _check_case(impl, case, T, S, H, HV, with_grads=True, device=None):
+  static, diff = _cases(T, S)[case]
   q = _rand(20, (B, T, N, H), DTYPE)
   k = _rand(21, (B, S, K, H), DTYPE)
   v = _rand(22, (B, S, K, HV), DTYPE)
@@ -108,9 +141,17 @@ def test_variant(impl, case):
       kw["mask"] = kw["mask"][None, None]
     return attention_reference(q, k, v, **kw)
 
-  with on_device(impl):
-    (out, lse), grads = jax.jit(lambda *a: _loss_and_grads(impl_fn, *a))(
-        q, k, v, _cast(diff, dtype), dout, dlse)
+  args = (q, k, v, _cast(diff, dtype), dout, dlse)
+  with on_device(device or impl):
+    if with_grads:
+      run = jax.jit(lambda *a: _loss_and_grads(impl_fn, *a))
+      (out, lse), grads = run(*args)
+    else:
+      run = jax.jit(lambda *a: impl_fn(*a[:4]))
+      out, lse = run(*args)
+    if device == "cuda" or impl == "cuda":  # the variant really reached the CUDA forward
+      hlo = run.lower(*args).as_text()
+      assert "jaxflash_fwd_cuda" in hlo and "jaxflash_bwd_cuda" not in hlo
   (r_out, r_lse), r_grads = _loss_and_grads(ref_fn, *_cast((q, k, v, diff), jnp.float32),
                                             dout, dlse)
   (l_out, l_lse), l_grads = _loss_and_grads(ref_fn, q, k, v, _cast(diff, dtype), dout, dlse)
@@ -118,6 +159,8 @@ def test_variant(impl, case):
   assert out.dtype == q.dtype and out.shape == (B, T, N, HV)
   assert_accurate("out", out, r_out, l_out, dtype)
   assert_accurate("lse", lse, r_lse, l_lse, dtype)
+  if not with_grads:
+    return
   names = ["dq", "dk", "dv"] + [f"d{n}" for n in sorted(diff)]
   for name, g, r, lo in zip(names, jax.tree.leaves(grads), jax.tree.leaves(r_grads),
                             jax.tree.leaves(l_grads)):
@@ -275,23 +318,26 @@ def test_invalid_arguments(impl, kwargs, match):
     (dict(deterministic_backward=True), "deterministic_backward"),
 ])
 def test_cuda_routing_of_variants(monkeypatch, kwargs, name):
-  """Where the CUDA kernels would run, a variant they lack makes implementation='cuda' raise
-  a ValueError naming it, and implementation=None fall back to 'xla' on GPU."""
+  """Where the CUDA kernels would run: implementation='cuda' traces the CUDA forward with the
+  variant, and its backward raises a ValueError naming it; implementation=None pairs the
+  CUDA forward with the reference VJP on GPU."""
   monkeypatch.setattr(attention_mod._ffi, "cuda_built", lambda: True)
   monkeypatch.setattr(attention_mod._ffi, "cuda_head_dims", lambda: (H,))
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
   v = jnp.concatenate([v, v[..., : H - HV]], axis=-1)  # equal head dims, as CUDA needs
+  fwd = lambda q: jaxflash.attention(q, k, v, implementation="cuda", **kwargs)
+  assert "jaxflash_fwd_cuda" in str(jax.make_jaxpr(fwd)(q))  # traced only: no GPU here
   with pytest.raises(ValueError, match=name):
-    jaxflash.attention(q, k, v, implementation="cuda", **kwargs)
+    jax.make_jaxpr(jax.grad(lambda q: jnp.sum(fwd(q).astype(jnp.float32))))(q)
   seen = []
   real = attention_mod._flash
   monkeypatch.setattr(attention_mod, "_flash",
                       lambda q, k, v, ops, cfg: seen.append(cfg) or real(q, k, v, ops, cfg))
   jaxflash.attention(q, k, v, **kwargs)
-  assert seen[0].cuda == "xla" and seen[0].cpu == "cpu"
+  assert (seen[0].cuda, seen[0].cuda_bwd, seen[0].cpu) == ("cuda", "xla", "cpu")
   seen.clear()
   jaxflash.attention(q, k, v)
-  assert seen[0].cuda == "cuda"
+  assert (seen[0].cuda, seen[0].cuda_bwd) == ("cuda", "cuda")
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

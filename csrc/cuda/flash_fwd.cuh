@@ -11,14 +11,21 @@
 // Shared tiles are row-major with H columns; the 16-byte chunk index is XORed with row % 8
 // so that the 8 row addresses of one ldmatrix matrix (same column, 8 consecutive rows) fall
 // into 8 different bank groups, and so are the cp.async writes and the O staging.
+//
+// Variants (lengths, window, alignment, segment ids, mask, bias, soft cap, ALiBi, dropout;
+// semantics in jaxflash/reference.py) live in a second instantiation, kVariants, chosen at
+// launch when any is live, so the plain kernel keeps its registers and instruction stream.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../params.h"
+#include "launch.h"
 #include "mma.cuh"
 
 namespace jaxflash::cuda {
@@ -27,27 +34,36 @@ namespace jaxflash::cuda {
 // reads the whole K/V tile by ldmatrix, and with 8 warps those reads outrun the mma.sync
 // throughput. Key tiles are the widest with no register spill at 255 registers/thread
 // (ptxas -v): one key width wider spills ~100 bytes/thread of loop state.
-template <int kHeadDim>
+template <int kHeadDim, bool kVariants>
 struct FwdTile;
 
 // d64: O is 64 fp32 registers/thread and S (64 keys) another 64; 48 KB of shared memory.
 template <>
-struct FwdTile<64> {
+struct FwdTile<64, false> {
   static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
 };
 
 // d128: O alone is 128 fp32 registers/thread, so S gets 32 keys (32 registers), as FA2 does
 // on sm86/89; 64 KB of shared memory. Registers cap residency at 2 CTAs (8 warps) per SM.
 template <>
-struct FwdTile<128> {
+struct FwdTile<128, false> {
   static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4;
 };
 
-template <typename T, int kHeadDim>
+// With variants, the per-element rules (bias/mask addresses, segment ids, hashes) need
+// registers the tiles above do not leave: at kBlockM 128 both head dims spill 70-120
+// bytes/thread. 4 warps of 16 rows halve O (d128: 64 registers), so S gets 64 keys (ptxas:
+// 206 / 240 registers, no spill); 40 KB (d64) and 80 KB (d128) of shared memory.
+template <int kHeadDim>
+struct FwdTile<kHeadDim, true> {
+  static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4;
+};
+
+template <typename T, int kHeadDim, bool kVariants = false>
 struct FwdCfg {
-  static constexpr int kBlockM = FwdTile<kHeadDim>::kBlockM;
-  static constexpr int kBlockN = FwdTile<kHeadDim>::kBlockN;
-  static constexpr int kWarps = FwdTile<kHeadDim>::kWarps;
+  static constexpr int kBlockM = FwdTile<kHeadDim, kVariants>::kBlockM;
+  static constexpr int kBlockN = FwdTile<kHeadDim, kVariants>::kBlockN;
+  static constexpr int kWarps = FwdTile<kHeadDim, kVariants>::kWarps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kWarpRows = kBlockM / kWarps;  // query rows per warp
   static constexpr int kMTiles = kWarpRows / 16;      // m16 tiles per warp
@@ -101,10 +117,177 @@ struct FwdCfg {
   }
 };
 
-template <typename T, int kHeadDim, bool kCausal>
-__global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
+// The dropout hash: the 32-bit finaliser of jaxflash/reference.py `_mix` (and the CPU kernel).
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0xd35a2d97u;
+  return x ^ (x >> 15);
+}
+
+// A tile-relative diagonal offset as an int: col - row spans less than a tile, so a bound
+// beyond +-2^20 acts as infinity.
+__device__ __forceinline__ int clamp_diag(int64_t d) {
+  return static_cast<int>(max(int64_t{-(1 << 20)}, min(d, int64_t{1 << 20})));
+}
+
+// The variant rules as one CTA sees them: batch b, head n, query rows [m0, m0 + kBlockM).
+// Per element they are the CPU kernel's Head, in tile-relative coordinates: for tile row r
+// and column c of the key tile at n0, s - (t + shift) = (c - r) - diag with
+// diag = m0 - n0 + shift. It lives in shared memory, written once by warp 0: the d128
+// kernel has no registers to spare for ~20 words of state used once per key tile.
+template <typename T, int kBlockM, int kBlockN>
+struct FwdVariants {
+  int m0;
+  int q_rows;              // tile rows r < q_rows are valid queries (t < q_len)
+  int kv_len;              // keys s < kv_len are valid
+  int64_t shift;           // key position of query 0 (causal alignment)
+  int key_lo, key_hi;      // keys [key_lo, key_hi) that some row of the tile may see
+  float slope;             // ALiBi slope of (b, n)
+  float keep_scale;        // 1 / (1 - dropout_rate)
+  uint32_t drop_head;      // dropout hash of (seeds[b], n)
+  int q_seg_min, q_seg_max;          // segment id range of the tile's valid rows
+  const int32_t* q_seg;              // segment ids at (b, m0)
+  const int32_t* kv_seg;             // (S) segment ids of batch b
+  const T* bias;                     // bias at (b, n, m0, 0); rows/cols via bias_strides
+  const uint8_t* mask;               // mask at (b, n, m0, 0); rows/cols via mask_strides
+
+  // Run by one whole warp (the segment id reduction is warp-wide).
+  __device__ void init(const FwdParams& p, int64_t b, int64_t n, int m0_, int lane) {
+    m0 = m0_;
+    const int64_t q_raw = p.q_lengths ? p.q_lengths[b] : p.t;
+    const int64_t kv_raw = p.kv_lengths ? p.kv_lengths[b] : p.s;
+    const int q_len = static_cast<int>(max(int64_t{0}, min(q_raw, p.t)));
+    kv_len = static_cast<int>(max(int64_t{0}, min(kv_raw, p.s)));
+    q_rows = q_len - m0;
+    shift = p.bottom_right ? kv_raw - q_raw : 0;
+    // Keys [lo, hi) visible to some row through lengths, causal and window (CPU key_range).
+    const int64_t wl = min(p.window_left, int64_t{1} << 31);  // keeps the sums in int64
+    const int64_t wr = min(p.window_right, int64_t{1} << 31);
+    const int64_t last = int64_t{min(m0 + kBlockM, q_len)} - 1;
+    int64_t lo = 0, hi = last < m0 ? 0 : kv_len;
+    if (p.is_causal) hi = min(hi, last + shift + 1);
+    if (wr >= 0) hi = min(hi, last + shift + wr + 1);
+    if (wl >= 0) lo = max(lo, m0 + shift - wl);
+    key_lo = static_cast<int>(min(lo, int64_t{kv_len}));
+    key_hi = static_cast<int>(max(hi, int64_t{key_lo}));
+
+    const int64_t outer = b / p.batch_inner, bi = b % p.batch_inner;
+    if (p.bias) {
+      const BcastStrides& st = p.bias_strides;
+      bias = static_cast<const T*>(p.bias) + outer * st.outer + bi * st.batch + n * st.head +
+             m0 * st.row;
+    }
+    if (p.mask) {
+      const BcastStrides& st = p.mask_strides;
+      mask = p.mask + outer * st.outer + bi * st.batch + n * st.head + m0 * st.row;
+    }
+    bias = nullptr;
+    mask = nullptr;
+    q_seg = kv_seg = nullptr;
+    slope = 0.f;
+    keep_scale = 1.f;
+    drop_head = 0;
+    if (p.alibi_slopes) slope = p.alibi_slopes[b * p.n + n];
+    if (p.dropout_seeds) {
+      const uint32_t* seed = p.dropout_seeds + 2 * b;
+      drop_head = mix32(static_cast<uint32_t>(n) ^ mix32(seed[0] ^ mix32(seed[1])));
+      keep_scale = 1.f / (1.f - p.dropout_rate);
+    }
+    if (p.q_segment_ids) {
+      q_seg = p.q_segment_ids + b * p.t + m0;
+      kv_seg = p.kv_segment_ids + b * p.s;
+      int lo_id = INT_MAX, hi_id = INT_MIN;
+      for (int r = lane; r < min(q_rows, kBlockM); r += 32) {
+        lo_id = min(lo_id, q_seg[r]);
+        hi_id = max(hi_id, q_seg[r]);
+      }
+      q_seg_min = __reduce_min_sync(0xffffffffu, lo_id);
+      q_seg_max = __reduce_max_sync(0xffffffffu, hi_id);
+    }
+  }
+
+  // The first of the key tiles at n0, n0 + kBlockN, ... below key_hi whose segment ids can
+  // meet the query tile's (disjoint id ranges share no id), else key_hi or past it. Every
+  // warp computes the same answer from the same ids: the CTA stays uniform with no barrier.
+  __device__ int next_live(int n0, int lane) const {
+    if (!kv_seg) return n0;
+    for (; n0 < key_hi; n0 += kBlockN) {
+      int lo_id = INT_MAX, hi_id = INT_MIN;
+#pragma unroll
+      for (int i = lane; i < kBlockN; i += 32)
+        if (n0 + i < key_hi) {
+          lo_id = min(lo_id, kv_seg[n0 + i]);
+          hi_id = max(hi_id, kv_seg[n0 + i]);
+        }
+      lo_id = __reduce_min_sync(0xffffffffu, lo_id);
+      hi_id = __reduce_max_sync(0xffffffffu, hi_id);
+      if (hi_id >= q_seg_min && lo_id <= q_seg_max) break;
+    }
+    return n0;
+  }
+
+  // This thread's S fragment (kMTiles, kNTilesS, 4) of the key tile at n0: raw q.k in, logits
+  // in log2 units out, -inf where the key is invisible. Bias and mask are read in place,
+  // only where visible (never past the lengths, hence never past T or S).
+  template <int kMTiles, int kNTilesS>
+  __device__ void logits(const FwdParams& p, float (&acc_s)[kMTiles][kNTilesS][4], int n0,
+                         int warp_row, int g, int tig) const {
+    const int64_t diag64 = int64_t{m0} - n0 + shift;
+    int hi_d = 1 << 20, lo_d = -(1 << 20);  // visible: lo_d <= col - row <= hi_d
+    if (p.is_causal) hi_d = clamp_diag(diag64);
+    if (p.window_right >= 0)
+      hi_d = min(hi_d, clamp_diag(diag64 + min(p.window_right, int64_t{1} << 31)));
+    if (p.window_left >= 0) lo_d = clamp_diag(diag64 - min(p.window_left, int64_t{1} << 31));
+    const int diag = clamp_diag(diag64);  // for ALiBi; exact for any real lengths
+    const int kv_lim = kv_len - n0;       // tile columns c < kv_lim are valid keys
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp_row + mi * 16 + g + h * 8;
+        const bool row_ok = row < q_rows;
+        const int row_seg = kv_seg && row_ok ? q_seg[row] : 0;
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = nt * 8 + tig * 2 + e;
+            float& x = acc_s[mi][nt][2 * h + e];
+            bool vis = row_ok && col < kv_lim && col - row >= lo_d && col - row <= hi_d;
+            if (kv_seg) vis = vis && kv_seg[n0 + col] == row_seg;
+            if (mask)
+              vis = vis && mask[row * p.mask_strides.row + (n0 + col) * p.mask_strides.col] != 0;
+            float y = x * p.scale;
+            if (p.softcap > 0.f) y = p.softcap * tanhf(y / p.softcap);
+            if (bias && vis)
+              y += static_cast<float>(
+                  bias[row * p.bias_strides.row + (n0 + col) * p.bias_strides.col]);
+            if (p.alibi_slopes) y -= slope * fabsf(static_cast<float>(col - row - diag));
+            x = vis ? y * 1.4426950408889634f : -INFINITY;
+          }
+      }
+  }
+
+  __device__ uint32_t drop_row(int row) const {
+    return mix32(static_cast<uint32_t>(m0 + row) ^ drop_head);
+  }
+
+  // Multiplier of p[t, s] after dropout: 0 or 1 / (1 - rate).
+  __device__ float keep(const FwdParams& p, uint32_t row_hash, int s) const {
+    return mix32(static_cast<uint32_t>(s) ^ row_hash) >= p.dropout_threshold ? keep_scale : 0.f;
+  }
+};
+
+struct NoVariants {};
+
+// kVariants: the variant rules of p (FwdVariants) apply, causal included (kCausal is false).
+template <typename T, int kHeadDim, bool kCausal, bool kVariants>
+__global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
     flash_fwd_kernel(const FwdParams p, int num_m_blocks) {
-  using Cfg = FwdCfg<T, kHeadDim>;
+  static_assert(!(kCausal && kVariants), "the variant kernel reads is_causal from p");
+  using Cfg = FwdCfg<T, kHeadDim, kVariants>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   constexpr int kWarpRows = Cfg::kWarpRows, kMTiles = Cfg::kMTiles, kChunks = Cfg::kChunks;
   constexpr int kNTilesS = kBlockN / 8;    // n8 tiles of S (keys)
@@ -125,28 +308,39 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
   int m_block = static_cast<int>(blockIdx.x % num_m_blocks);
   const int64_t bn = blockIdx.x / num_m_blocks;  // b * N + n
   const int64_t n = bn % p.n, b = bn / p.n;
-  if (kCausal) m_block = num_m_blocks - 1 - m_block;
+  if (kCausal || (kVariants && p.is_causal)) m_block = num_m_blocks - 1 - m_block;
   const int64_t kvh = n / (p.n / p.kh);  // GQA: kv head of query head n (p.group() is host-only)
   const int m0 = m_block * kBlockM;      // first query row of the tile
   const int row_in = tid / kChunks;      // first tile row this thread copies
 
-  // Keys this tile needs: all S, or under causal up to its last stored row t (s <= t).
-  const int kv_len = kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len;
-  const int n_blocks = (kv_len + kBlockN - 1) / kBlockN;
-
   const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
   Cfg::template load_tile<kBlockM>(sQ, Cfg::thread_src(gQ, p.q_row_stride, m0, tid),
                                    p.q_row_stride, t_len - m0 - row_in, tid);
-  // This thread's source rows of K/V tile 0; tile j starts j * kBlockN rows further.
+  // This thread's source rows of K/V key 0; the tile at key n0 starts n0 rows further.
   const T* gK = Cfg::thread_src(
       static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride,
       p.k_row_stride, 0, tid);
   const T* gV = Cfg::thread_src(
       static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride,
       p.v_row_stride, 0, tid);
-  if (n_blocks > 0) {
-    Cfg::template load_tile<kBlockN>(sK, gK, p.k_row_stride, s_len - row_in, tid);
-    Cfg::template load_tile<kBlockN>(sV, gV, p.v_row_stride, s_len - row_in, tid);
+  // Keys [key_lo, key_hi) this tile needs: all S, or under causal up to its last stored row
+  // t (s <= t); with variants, the range of FwdVariants, whose tiles start at key_lo and
+  // read no key at or past key_hi (the rest of the last tile is zero-filled).
+  __shared__ std::conditional_t<kVariants, FwdVariants<T, kBlockM, kBlockN>, NoVariants> vs;
+  int key_hi = kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len;
+  int kv_end = s_len;
+  int n0 = 0;  // first key of this iteration's tile
+  if constexpr (kVariants) {
+    if (warp == 0) vs.init(p, b, n, m0, lane);  // while Q lands
+    __syncthreads();
+    key_hi = kv_end = vs.key_hi;
+    n0 = vs.next_live(vs.key_lo, lane);
+  }
+  if (n0 < key_hi) {
+    Cfg::template load_tile<kBlockN>(sK, gK + n0 * p.k_row_stride, p.k_row_stride,
+                                     kv_end - n0 - row_in, tid);
+    Cfg::template load_tile<kBlockN>(sV, gV + n0 * p.v_row_stride, p.v_row_stride,
+                                     kv_end - n0 - row_in, tid);
   }
   cp_async_commit();
 
@@ -177,19 +371,19 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
   const uint32_t q_addr = smem_addr(sQ + Cfg::swz(warp_row + lane % 16, lane / 16 * 8));
   const uint32_t k_addr = smem_addr(sK + Cfg::swz(lane % 8 + lane / 16 * 8, (lane / 8) % 2 * 8));
   const uint32_t v_addr = smem_addr(sV + Cfg::swz(lane % 16, lane / 16 * 8));
-  for (int j = 0; j < n_blocks; ++j) {
-    // Tile j has landed for every thread, and every warp is done with the other stage.
+  for (int stage = 0; n0 < key_hi; stage ^= 1) {
+    // Tile n0 has landed for every thread, and every warp is done with the other stage.
     cp_async_wait<0>();
     __syncthreads();
-    const int stage = j & 1;
-    if (j + 1 < n_blocks) {
-      const int next = (j + 1) * kBlockN;
+    int next = n0 + kBlockN;
+    if constexpr (kVariants) next = vs.next_live(next, lane);
+    if (next < key_hi) {
       Cfg::template load_tile<kBlockN>(sK + (stage ^ 1) * Cfg::kTileKV,
                                        gK + next * p.k_row_stride, p.k_row_stride,
-                                       s_len - next - row_in, tid);
+                                       kv_end - next - row_in, tid);
       Cfg::template load_tile<kBlockN>(sV + (stage ^ 1) * Cfg::kTileKV,
                                        gV + next * p.v_row_stride, p.v_row_stride,
-                                       s_len - next - row_in, tid);
+                                       kv_end - next - row_in, tid);
     }
     cp_async_commit();
 
@@ -225,27 +419,30 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
 
     // Logits in log2 units; keys >= S, and under causal keys s > t, become -inf. Only
     // tiles that reach past S or straddle the diagonal pay for the mask.
-    const int n0 = j * kBlockN;
-    const bool need_mask = n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0);
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < kNTilesS; ++nt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc_s[mi][nt][c] *= p.scale_log2;
-    if (need_mask) {
-      const int kv_limit = s_len - n0;  // tile-relative key bound
-      const int diag = m0 - n0;         // key col is hidden from row r (tile-relative) when col - r > diag
+    if constexpr (kVariants) {
+      vs.logits(p, acc_s, n0, warp_row, g, tig);
+    } else {
+      const bool need_mask = n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0);
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
         for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int col = nt * 8 + tig * 2 + c % 2;
-            const int row = warp_row + mi * 16 + g + c / 2 * 8;
-            if (col >= kv_limit || (kCausal && col - row > diag)) acc_s[mi][nt][c] = -INFINITY;
-          }
+          for (int c = 0; c < 4; ++c) acc_s[mi][nt][c] *= p.scale_log2;
+      if (need_mask) {
+        const int kv_limit = s_len - n0;  // tile-relative key bound
+        const int diag = m0 - n0;         // key col is hidden from row r when col - r > diag
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+          for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const int col = nt * 8 + tig * 2 + c % 2;
+              const int row = warp_row + mi * 16 + g + c / 2 * 8;
+              if (col >= kv_limit || (kCausal && col - row > diag)) acc_s[mi][nt][c] = -INFINITY;
+            }
+      }
     }
 
     // Online softmax: new running max, rescale l and O by 2^(m_old - m_new), P = 2^(S - m).
@@ -275,6 +472,17 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
             acc_s[mi][nt][c] = exp2_approx(acc_s[mi][nt][c] - m_use);
             row_sum[mi][h] += acc_s[mi][nt][c];
           }
+        // Dropout scales P after the row sum: lse and the normaliser ignore it.
+        if constexpr (kVariants) {
+          if (p.dropout_seeds) {
+            const uint32_t row_hash = vs.drop_row(warp_row + mi * 16 + g + h * 8);
+#pragma unroll
+            for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                acc_s[mi][nt][2 * h + e] *= vs.keep(p, row_hash, n0 + nt * 8 + tig * 2 + e);
+          }
+        }
       }
 
     // O += P V: P's accumulator tiles 2kk, 2kk+1 are the A fragment of k16 step kk.
@@ -302,6 +510,7 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
         }
       }
     }
+    n0 = next;
   }
 
   // Epilogue: O = acc / l and lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0,
@@ -336,14 +545,14 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim>::kThreads, 2)
   }
 }
 
-template <typename T, int kHeadDim, bool kCausal>
-void run_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfg<T, kHeadDim>;
+template <typename T, int kHeadDim, bool kCausal, bool kVariants>
+void launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdCfg<T, kHeadDim, kVariants>;
   const int64_t num_m_blocks = (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM;
   // Fits grid.x (< 2^31) for any tensor that fits in memory: lse alone would need > 1 TB.
   const int64_t grid = num_m_blocks * p.n * p.b;
   if (grid == 0) return;
-  auto kernel = flash_fwd_kernel<T, kHeadDim, kCausal>;
+  auto kernel = flash_fwd_kernel<T, kHeadDim, kCausal, kVariants>;
   if (Cfg::kSmemBytes > 48 * 1024) {
     // Per device and cheap; a failure shows up in the caller's cudaGetLastError().
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -352,6 +561,15 @@ void run_fwd(const FwdParams& p, cudaStream_t stream) {
   }
   kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
       p, static_cast<int>(num_m_blocks));
+}
+
+// The variant kernel covers causal too (p.is_causal), so each file compiles it once.
+template <typename T, int kHeadDim, bool kCausal>
+void run_fwd(const FwdParams& p, cudaStream_t stream) {
+  if (live_variant(p))
+    launch_fwd<T, kHeadDim, false, true>(p, stream);
+  else
+    launch_fwd<T, kHeadDim, kCausal, false>(p, stream);
 }
 
 }  // namespace jaxflash::cuda
