@@ -42,14 +42,6 @@ inline bool sm90_disabled_by_env() {
   return disabled;
 }
 
-// Only plain attention: the sm90 kernel implements none of the variant fields of FwdParams.
-inline bool no_variant(const FwdParams& p) {
-  return p.bias == nullptr && p.mask == nullptr && p.q_lengths == nullptr &&
-         p.kv_lengths == nullptr && p.q_segment_ids == nullptr && p.kv_segment_ids == nullptr &&
-         p.alibi_slopes == nullptr && p.dropout_seeds == nullptr && p.dropout_rate == 0.f &&
-         p.window_left < 0 && p.window_right < 0 && !p.bottom_right && p.softcap == 0.f;
-}
-
 // TMA wants 16-byte multiples below 2^40 for every byte stride (elements are 2 bytes).
 inline bool tma_strides_ok(const FwdParams& p) {
   for (int64_t st : {p.q_head_stride, p.q_row_stride, p.q_batch_stride, p.k_head_stride,
@@ -60,7 +52,7 @@ inline bool tma_strides_ok(const FwdParams& p) {
 }
 
 inline bool use_fwd_sm90(const FwdParams& p) {
-  return !sm90_disabled_by_env() && p.s > 0 && no_variant(p) && tma_strides_ok(p) &&
+  return !sm90_disabled_by_env() && p.s > 0 && live_variant(p) == nullptr && tma_strides_ok(p) &&
          p.b < (int64_t{1} << 31) && current_cc_major() == 9;
 }
 #endif
