@@ -173,6 +173,8 @@ struct FwdVariants {
     key_lo = static_cast<int>(min(lo, int64_t{kv_len}));
     key_hi = static_cast<int>(max(hi, int64_t{key_lo}));
 
+    bias = nullptr;
+    mask = nullptr;
     const int64_t outer = b / p.batch_inner, bi = b % p.batch_inner;
     if (p.bias) {
       const BcastStrides& st = p.bias_strides;
@@ -183,8 +185,6 @@ struct FwdVariants {
       const BcastStrides& st = p.mask_strides;
       mask = p.mask + outer * st.outer + bi * st.batch + n * st.head + m0 * st.row;
     }
-    bias = nullptr;
-    mask = nullptr;
     q_seg = kv_seg = nullptr;
     slope = 0.f;
     keep_scale = 1.f;
