@@ -294,10 +294,11 @@ struct Thread {
 
 template <typename T, int kHeadDim, bool kCausal>
 // Grid (key tile, kv head - kh0, batch - b0): the (b, kh) of a CTA come from blockIdx.y, z in
-// uniform registers (a 1-D grid's division by the tile count left them, and the batch offsets
-// derived from them, in vector registers: spilled).
+// uniform registers, and so do the step count and the batch offsets derived from them, as G
+// (query heads per kv head) is a kernel argument: integer divisions in the kernel left them in
+// vector registers, which spilled.
 __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
-    main_kernel(const BwdParams p, int b0, int kh0) {
+    main_kernel(const BwdParams p, int b0, int kh0, int G) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int D = kHeadDim, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kMi = Cfg::kMiS, kNjKV = Cfg::kNjKV;
@@ -323,13 +324,12 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
   // the longest under causal, goes first. 32-bit indices; 64-bit only in the offsets they feed.
   const int key_tile = static_cast<int>(blockIdx.x);
   const int kh = kh0 + static_cast<int>(blockIdx.y), b = b0 + static_cast<int>(blockIdx.z);
-  const int G = static_cast<int>(p.n / p.kh);  // query heads per kv head (group() is host-only)
   const int n0 = key_tile * N;
 
   // Causal: query tiles whose rows all precede key n0 see nothing of this tile.
   const int m_first = kCausal ? n0 / M : 0;
   const int n_m = max(0, (seq_t + M - 1) / M - m_first);
-  const int iters = static_cast<int>(G) * n_m;  // (query head, query tile) pairs
+  const int iters = G * n_m;  // (query head, query tile) pairs
   // Steps run over (query head n, first query row m0), m0 fastest, advanced by counting (a
   // division of the step index kept a reciprocal live across the loop).
   const int m_begin = m_first * M, m_end = (m_first + n_m) * M;
@@ -598,8 +598,8 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
         const dim3 grid(static_cast<unsigned>(key_tiles),
                         static_cast<unsigned>(std::min(kMaxYZ, p.kh - kh0)),
                         static_cast<unsigned>(std::min(kMaxYZ, p.b - b0)));
-        kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, static_cast<int>(b0),
-                                                                 static_cast<int>(kh0));
+        kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+            p, static_cast<int>(b0), static_cast<int>(kh0), static_cast<int>(p.n / p.kh));
       }
     }
   }
