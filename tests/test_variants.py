@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from common import IMPLEMENTATIONS, assert_accurate, gpu, on_device
+from common import assert_accurate, gpu, on_device
 from jaxflash.reference import attention_reference, dropout_keep, dropout_seeds
 
 B, T, S, N, K, H, HV = 2, 37, 70, 4, 2, 24, 16
