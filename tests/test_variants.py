@@ -79,11 +79,12 @@ def _cast(tree, dtype):
 
 
 def _loss_and_grads(fn, q, k, v, diff, dout, dlse):
-  """(out, lse) and grads of sum(out * dout) + sum(finite lse * dlse) w.r.t. q, k, v, diff."""
+  """(out, lse) and grads of sum(out * dout) + sum(finite lse * dlse) w.r.t. q, k, v, diff;
+  lse as computed (-inf on rows that see no key)."""
   def loss(q, k, v, diff):
     out, lse = fn(q, k, v, diff)
-    lse = jnp.where(jnp.isinf(lse), 0.0, lse)
-    return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(lse * dlse), (out, lse)
+    finite = jnp.where(jnp.isinf(lse), 0.0, lse)
+    return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(finite * dlse), (out, lse)
   (_, res), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, diff)
   return res, grads
 
