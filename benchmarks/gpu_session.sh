@@ -36,9 +36,10 @@ for stage in "$@"; do
         ncu --import "$OUT/prof.ncu-rep" --page details > "$OUT/prof.txt" 2>&1
         grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Shared Memory Configuration Size|L1/TEX Hit|Bank|Warp Cycles Per Issued|Executed Ipc A" "$OUT/prof.txt" | head -40
         rm -f "$OUT/prof.ncu-rep" ;;
-    sanitize) for tool in memcheck racecheck; do
-        timeout 240 compute-sanitizer --tool $tool --kernel-name regex:'flash|main_kernel|preprocess|convert' \
-          python3 benchmarks/profile_kernels.py --small --reps 1 2>&1 | tail -4 | tee -a "$OUT/sanitize.log"; done ;;
+    sanitize) for tool in memcheck racecheck; do for D in 64 128; do for c in "" --causal; do
+          timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
+            benchmarks/profile_kernels.py --small --D $D $c --reps 1 2>&1 | tail -2 \
+            | sed "s/^/$tool D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
     ring) timeout 400 python3 benchmarks/ring_scaling.py --out "$OUT/ring_scaling" 2>&1 | tee "$OUT/ring.log"
         timeout 180 python3 benchmarks/ring_scaling.py --gpus 4 --tokens-per-gpu 262144 --warmup 1 \
           --iters 2 --out "$OUT/ring_1m" 2>&1 | tail -3 | tee -a "$OUT/ring.log" ;;
