@@ -259,15 +259,23 @@ def _attention_module():
   return importlib.import_module("jaxflash.attention")
 
 
-def _block_fwd(rc, q, k, v, causal):
+def _ops(q_ids, kv_ids):
+  """The variant operands of one block call: segment ids or nothing."""
   A = _attention_module()
-  return A._run_fwd(q, k, v, A.NO_VARIANTS, dataclasses.replace(rc.cfg, is_causal=causal))
+  if q_ids is None:
+    return A.NO_VARIANTS
+  return {**A.NO_VARIANTS, "query_segment_ids": q_ids, "key_value_segment_ids": kv_ids}
 
 
-def _block_bwd(rc, q, k, v, out, lse, dout, dlse, causal):
+def _block_fwd(rc, q, k, v, q_ids, kv_ids, causal):
+  A = _attention_module()
+  return A._run_fwd(q, k, v, _ops(q_ids, kv_ids), dataclasses.replace(rc.cfg, is_causal=causal))
+
+
+def _block_bwd(rc, q, k, v, q_ids, kv_ids, out, lse, dout, dlse, causal):
   A = _attention_module()
   cfg = dataclasses.replace(rc.cfg, is_causal=causal)
-  return A._run_bwd(q, k, v, A.NO_VARIANTS, out, lse, dout, dlse, cfg)[:3]
+  return A._run_bwd(q, k, v, _ops(q_ids, kv_ids), out, lse, dout, dlse, cfg)[:3]
 
 
 def _shift(xs, axis_name, size):
@@ -287,40 +295,46 @@ def _merge(acc, part):
 
 
 def _halves(x, axis):
+  if x is None:  # absent segment ids
+    return None, None
   n = x.shape[axis] // 2
   return jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis)
 
 
-def _ring_fwd_impl(q, k, v, rc: _Ring):
+def _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc: _Ring):
   size = jax.lax.axis_size(rc.axis_name)
   me = jax.lax.axis_index(rc.axis_name)
   empty = (jnp.zeros_like(q, jnp.float32, shape=q.shape[:-1] + v.shape[-1:]),
            jnp.full_like(q, -jnp.inf, jnp.float32, shape=(q.shape[0], q.shape[2], q.shape[1])))
+  first_half = lambda x: _halves(x, 1)[0]
 
-  def before(q, k, v):  # key block from an earlier device: only its first chunk is visible
-    return _block_fwd(rc, q, _halves(k, 1)[0], _halves(v, 1)[0], False)
+  def full(k, v, kv_ids, causal=False):
+    return _block_fwd(rc, q, k, v, q_ids, kv_ids, causal)
 
-  def after(q, k, v):  # key block from a later device: only the second query chunk sees it
-    out, lse = _block_fwd(rc, _halves(q, 1)[1], k, v, False)
+  def before(k, v, kv_ids):  # key block from an earlier device: only its first chunk is visible
+    return full(first_half(k), first_half(v), first_half(kv_ids))
+
+  def after(k, v, kv_ids):  # key block from a later device: only the second query chunk sees it
+    second = lambda x, axis=1: _halves(x, axis)[1]
+    out, lse = _block_fwd(rc, second(q), k, v, second(q_ids), kv_ids, False)
     o0, l0 = _halves(empty[0], 1)[0], _halves(empty[1], 2)[0]
     return (jnp.concatenate([o0.astype(out.dtype), out], 1), jnp.concatenate([l0, lse], 2))
 
-  def skip(q, k, v):
+  def skip(k, v, kv_ids):
     return empty[0].astype(q.dtype), empty[1]
 
   acc = empty
-  kv = (k, v)
+  kv = (k, v, kv_ids)  # the key block's segment ids travel with it
   for step in range(size):
     nxt = _shift(kv, rc.axis_name, size) if step + 1 < size else None  # overlaps the compute
     if not rc.is_causal:
-      part = _block_fwd(rc, q, *kv, False)
+      part = full(*kv)
     elif step == 0:
-      part = _block_fwd(rc, q, *kv, True)
+      part = full(*kv, causal=True)
     else:
       earlier = (me - step) % size < me
-      later = after if rc.layout == "zigzag" else skip
-      first = before if rc.layout == "zigzag" else functools.partial(_block_fwd, rc, causal=False)
-      part = jax.lax.cond(earlier, first, later, q, *kv)
+      first, later = (before, after) if rc.layout == "zigzag" else (full, skip)
+      part = jax.lax.cond(earlier, first, later, *kv)
     acc = _merge(acc, part)
     kv = nxt
   out, lse = acc
@@ -328,31 +342,31 @@ def _ring_fwd_impl(q, k, v, rc: _Ring):
 
 
 def _ring_bwd_impl(rc: _Ring, res, cts):
-  q, k, v, out, lse = res
+  q, k, v, q_ids, kv_ids, out, lse = res
   dout, dlse = cts
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
   size = jax.lax.axis_size(rc.axis_name)
   me = jax.lax.axis_index(rc.axis_name)
   f32 = lambda x: jnp.zeros_like(x, jnp.float32)
 
-  def full(k, v, causal=False):
-    return _block_bwd(rc, q, k, v, out, lse, dout, dlse, causal)
+  def full(k, v, kv_ids, causal=False):
+    return _block_bwd(rc, q, k, v, q_ids, kv_ids, out, lse, dout, dlse, causal)
 
-  def before(k, v):
+  def before(k, v, kv_ids):
     (k0, k1), (v0, v1) = _halves(k, 1), _halves(v, 1)
-    dq, dk, dv = full(k0, v0)
+    dq, dk, dv = full(k0, v0, _halves(kv_ids, 1)[0])
     return dq, jnp.concatenate([dk, jnp.zeros_like(k1)], 1), jnp.concatenate([dv, jnp.zeros_like(v1)], 1)
 
-  def after(k, v):
-    sel = lambda x, axis: _halves(x, axis)[1]
-    dq, dk, dv = _block_bwd(rc, sel(q, 1), k, v, sel(out, 1), sel(lse, 2), sel(dout, 1),
-                            sel(dlse, 2), False)
+  def after(k, v, kv_ids):
+    sel = lambda x, axis=1: _halves(x, axis)[1]
+    dq, dk, dv = _block_bwd(rc, sel(q), k, v, sel(q_ids), kv_ids, sel(out), sel(lse, 2),
+                            sel(dout), sel(dlse, 2), False)
     return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
 
-  def skip(k, v):
+  def skip(k, v, kv_ids):
     return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
 
-  dq, dkv, kv = f32(q), (f32(k), f32(v)), (k, v)
+  dq, dkv, kv = f32(q), (f32(k), f32(v)), (k, v, kv_ids)
   for step in range(size):
     nxt = _shift(kv, rc.axis_name, size) if step + 1 < size else None
     if not rc.is_causal:
@@ -368,17 +382,18 @@ def _ring_bwd_impl(rc: _Ring, res, cts):
     # the gradients travel with their key block; after the last shift they are home
     dkv = _shift(dkv, rc.axis_name, size)
     kv = nxt
-  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+  # integer segment ids get no cotangent
+  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(q, k, v, rc: _Ring):
-  return _ring_fwd_impl(q, k, v, rc)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, q_ids, kv_ids, rc: _Ring):
+  return _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc)
 
 
-def _ring_fwd(q, k, v, rc):
-  out, lse = _ring_fwd_impl(q, k, v, rc)
-  return (out, lse), (q, k, v, out, lse)
+def _ring_fwd(q, k, v, q_ids, kv_ids, rc):
+  out, lse = _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc)
+  return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd_impl)
@@ -386,6 +401,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd_impl)
 
 def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zigzag",
                    scale=None, q_segment_ids=None, kv_segment_ids=None,
+                   query_seq_lengths=None, key_value_seq_lengths=None,
                    implementation=None, return_residual=False):
   """Ring (context-parallel) attention over the mesh axis `axis_name`; call inside shard_map.
 
@@ -402,8 +418,12 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
       shard i holds the i-th block (no permutation, but the last device does P times the
       work of the first).
     scale, implementation: as in `jaxflash.attention` (the kernel runs each block).
-    q_segment_ids, kv_segment_ids: (B, T/P) / (B, S/P) int32, in the same layout as the
-      tokens; also the way to express padding. Not supported yet (see Raises).
+    q_segment_ids, kv_segment_ids: (B, T/P) / (B, S/P) integers, given together, in the same
+      layout as the tokens (zigzag_permute them too): query t sees key s only where the ids
+      are equal. Padding is expressed through them: give pad queries and pad keys ids that
+      match nothing, different for the two (e.g. -1 and -2). A query that sees no key gets
+      out 0, lse -inf and zero gradients.
+    query_seq_lengths, key_value_seq_lengths: not supported (see Raises); use segment ids.
     return_residual: also return the global logsumexp of the local queries, (B, N, T/P) f32.
 
   Returns:
@@ -411,7 +431,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
     return_residual. Differentiable in query, key, value (and through lse).
 
   Raises:
-    NotImplementedError: for segment ids, until the kernels take them.
+    NotImplementedError: for query_seq_lengths / key_value_seq_lengths (global positions do
+      not map onto one block per device under zigzag): express padding with segment ids.
   """
   A = _attention_module()
   if layout not in LAYOUTS:
@@ -419,11 +440,16 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
   if implementation not in A.IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {A.IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
-  for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+  for name, x in (("query_seq_lengths", query_seq_lengths),
+                  ("key_value_seq_lengths", key_value_seq_lengths)):
     if x is not None:
       raise NotImplementedError(
-          f"ring_attention: `{name}` is not supported yet (the jaxflash kernels take no "
-          "segment ids); only segment_ids=None")
+          f"ring_attention: `{name}` is not supported; express padding with q_segment_ids / "
+          "kv_segment_ids (pad queries and pad keys get ids that match nothing, e.g. -1 and "
+          "-2)")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("ring_attention: q_segment_ids and kv_segment_ids must be given together, "
+                     f"got only {'q' if kv_segment_ids is None else 'kv'}_segment_ids")
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   A.check_inputs(query, key, value)
   if is_causal and query.shape[1] != key.shape[1]:
@@ -432,7 +458,14 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
   if is_causal and layout == "zigzag" and query.shape[1] % 2:
     raise ValueError(f"ring_attention: layout='zigzag' needs an even block length (two "
                      f"chunks per device), got {query.shape[1]}")
+  if q_segment_ids is not None:
+    q_segment_ids = A._check_ids("q_segment_ids", q_segment_ids, query.shape[:2])
+    kv_segment_ids = A._check_ids("kv_segment_ids", kv_segment_ids, key.shape[:2])
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+  # No `variants` on purpose: the reference-VJP fallback differentiates a block on its own
+  # softmax, not the global out/lse the ring needs, so where the CUDA backward lacks segment
+  # ids its trace-time error is the right answer.
   cfg = A._resolve(query, value, implementation, scale, False)
-  out, lse = _ring(query, key, value, _Ring(cfg, bool(is_causal), layout, axis_name))
+  out, lse = _ring(query, key, value, q_segment_ids, kv_segment_ids,
+                   _Ring(cfg, bool(is_causal), layout, axis_name))
   return (out, lse) if return_residual else out
