@@ -437,9 +437,11 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
   A = _attention_module()
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  if implementation not in A.IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {A.IMPLEMENTATIONS}, got "
-                     f"{implementation!r}")
+  # Each block's backward takes the global out/lse; the reference's VJP would differentiate
+  # the block's own softmax instead, so 'xla' has no correct ring backward.
+  if implementation not in (None, "cpu", "cuda"):
+    raise ValueError("ring_attention runs the kernels on each block: implementation must be "
+                     f"None, 'cpu' or 'cuda', got {implementation!r}")
   for name, x in (("query_seq_lengths", query_seq_lengths),
                   ("key_value_seq_lengths", key_value_seq_lengths)):
     if x is not None:

@@ -265,3 +265,7 @@ def test_ring_rejects_what_it_cannot_do():
   with pytest.raises(ValueError, match="layout"):
     jax.shard_map(functools.partial(jaxflash.ring_attention, axis_name="sp", layout="striped"),
                   mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
+  with pytest.raises(ValueError, match="implementation must be None, 'cpu' or 'cuda'"):
+    jax.shard_map(functools.partial(jaxflash.ring_attention, axis_name="sp",
+                                    implementation="xla"),
+                  mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
