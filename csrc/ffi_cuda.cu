@@ -66,22 +66,10 @@ struct BwdLaunch {
 };
 
 ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths,
-                   ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                   ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
-                   ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> o,
-                   ffi::Result<ffi::AnyBuffer> lse, float scale, bool is_causal, bool has_bias,
-                   bool has_mask, bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
-                   bool has_alibi, int64_t window_left, int64_t window_right, bool bottom_right,
-                   float softcap, float dropout_rate) {
+                   ffi::RemainingArgs variants, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::Result<ffi::AnyBuffer> lse, CallAttrs attrs) {
   FwdParams p{};
-  if (auto e = make_fwd_params(q, k, v, *o, *lse, scale, is_causal, p); e.failure()) return e;
-  const VariantArgs args{bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-                         alibi_slopes, dropout_seeds};
-  const VariantAttrs attrs{has_bias, has_mask, has_q_lengths, has_kv_lengths, has_segment_ids,
-                           has_alibi, window_left, window_right, bottom_right, softcap,
-                           dropout_rate};
-  if (auto e = add_variants(q, args, attrs, p); e.failure()) return e;
+  if (auto e = decode_fwd(q, k, v, variants, *o, *lse, attrs, p); e.failure()) return e;
   if (auto e = validate_cuda(p); e.failure()) return e;
   // Nothing to write. S == 0 is not empty: the kernel writes O = 0 and lse = -inf.
   if (p.b == 0 || p.t == 0 || p.n == 0) return ffi::Error::Success();
@@ -92,33 +80,19 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                   ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer bias,
-                   ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                   ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds,
+                   ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::RemainingArgs variants,
                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                   ffi::Result<ffi::AnyBuffer> dalibi, float scale, bool is_causal,
-                   bool has_bias, bool has_mask, bool has_q_lengths, bool has_kv_lengths,
-                   bool has_segment_ids, bool has_alibi, int64_t window_left,
-                   int64_t window_right, bool bottom_right, float softcap, float dropout_rate,
-                   bool deterministic) {
+                   ffi::Result<ffi::AnyBuffer> dalibi, CallAttrs attrs) {
   BwdParams p{};
-  if (auto e = make_bwd_params(q, k, v, o, lse, dout, dlse, *dq, *dk, *dv, scale, is_causal, p);
+  if (auto e = decode_bwd(q, k, v, o, lse, dout, dlse, variants, *dq, *dk, *dv, *dbias, *dalibi,
+                          attrs, p);
       e.failure())
-    return e;
-  const VariantArgs args{bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-                         alibi_slopes, dropout_seeds};
-  const VariantAttrs attrs{has_bias, has_mask, has_q_lengths, has_kv_lengths, has_segment_ids,
-                           has_alibi, window_left, window_right, bottom_right, softcap,
-                           dropout_rate};
-  if (auto e = add_variants(q, args, attrs, p); e.failure()) return e;
-  if (auto e = add_variant_grads(args, attrs, *dbias, *dalibi, deterministic, p); e.failure())
     return e;
   if (const char* name = cuda::live_variant(p))
     return invalid(std::string("the CUDA backward kernel does not support `") + name +
                    "` yet (implementation=None uses the reference VJP for it on GPU)");
-  if (deterministic)
+  if (attrs.deterministic)
     return invalid("the CUDA backward kernel does not support deterministic_backward yet");
   if (auto e = validate_cuda(p); e.failure()) return e;
   for (const void* ptr : {p.dout, static_cast<const void*>(p.dq), static_cast<const void*>(p.dk),
@@ -152,29 +126,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_fwd_cuda, FwdCuda,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // q_lengths
-                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // alibi_slopes
-                                  .Arg<ffi::AnyBuffer>()  // dropout_seeds
+                                  .RemainingArgs()        // variant operands (VariantArgs)
                                   .Ret<ffi::AnyBuffer>()  // o
                                   .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("is_causal")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("has_q_lengths")
-                                  .Attr<bool>("has_kv_lengths")
-                                  .Attr<bool>("has_segment_ids")
-                                  .Attr<bool>("has_alibi")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<bool>("bottom_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<float>("dropout_rate"));
+                                  .Attrs<CallAttrs>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_bwd_cuda, BwdCuda,
                               ffi::Ffi::Bind()
@@ -187,32 +142,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_bwd_cuda, BwdCuda,
                                   .Arg<ffi::AnyBuffer>()  // lse
                                   .Arg<ffi::AnyBuffer>()  // dout
                                   .Arg<ffi::AnyBuffer>()  // dlse
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // q_lengths
-                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // alibi_slopes
-                                  .Arg<ffi::AnyBuffer>()  // dropout_seeds
+                                  .RemainingArgs()        // variant operands (VariantArgs)
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Ret<ffi::AnyBuffer>()  // dbias
                                   .Ret<ffi::AnyBuffer>()  // dalibi
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("is_causal")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("has_q_lengths")
-                                  .Attr<bool>("has_kv_lengths")
-                                  .Attr<bool>("has_segment_ids")
-                                  .Attr<bool>("has_alibi")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<bool>("bottom_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<float>("dropout_rate")
-                                  .Attr<bool>("deterministic"));
+                                  .Attrs<CallAttrs>());
 
 }  // namespace jaxflash

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "params.h"
@@ -128,13 +129,32 @@ struct VariantArgs {
   ffi::AnyBuffer dropout_seeds;   // (..., B, 2) uint32; live when dropout_rate > 0
 };
 
-struct VariantAttrs {
+// Every attribute of a jaxflash call, decoded as one struct (`.Attrs<CallAttrs>()`); the
+// Python side (_calls.py) always passes all of them. `has_*` say which variant operands are
+// live; a dead one is a zero-element placeholder (its shape is not read).
+struct CallAttrs {
+  float scale;
+  bool is_causal;
   bool has_bias, has_mask, has_q_lengths, has_kv_lengths, has_segment_ids, has_alibi;
   int64_t window_left, window_right;  // -1: unbounded
   bool bottom_right;
   float softcap;       // 0: off
   float dropout_rate;  // 0: off
+  bool deterministic;  // backward: bit-identical across runs (the forward always is)
 };
+
+// The variant operands follow the fixed ones (`.RemainingArgs()`), in VariantArgs order.
+inline ffi::Error variant_args(ffi::RemainingArgs rest, std::optional<VariantArgs>& out) {
+  constexpr size_t kCount = 8;
+  if (rest.size() != kCount)
+    return invalid("expected " + std::to_string(kCount) + " variant operands, got " +
+                   std::to_string(rest.size()));
+  for (size_t i = 0; i < kCount; ++i)
+    if (auto b = rest.get<ffi::AnyBuffer>(i); b.has_error()) return b.error();
+  auto at = [&](size_t i) { return *rest.get<ffi::AnyBuffer>(i); };
+  out.emplace(VariantArgs{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)});
+  return ffi::Error::Success();
+}
 
 // Checks a broadcast (..., B|1, N|1, T|1, S|1) operand against q's leading dims and the
 // full (B, N, T, S), and returns its element strides (0 on broadcast dims).
@@ -182,7 +202,7 @@ inline ffi::Error dead(const char* name, ffi::AnyBuffer x) {
 }
 
 // Decodes the live variant operands and attrs into p (after make_fwd_params).
-inline ffi::Error add_variants(ffi::AnyBuffer q, const VariantArgs& a, const VariantAttrs& at,
+inline ffi::Error add_variants(ffi::AnyBuffer q, const VariantArgs& a, const CallAttrs& at,
                                FwdParams& p) {
   if (at.has_bias) {
     if (a.bias.element_type() != q.element_type()) return invalid("bias must have q's dtype");
@@ -249,9 +269,8 @@ inline ffi::Error add_variants(ffi::AnyBuffer q, const VariantArgs& a, const Var
 
 // The variant outputs of the backward: dbias (bias's shape) and dalibi ((..., B, N) float32),
 // zero-element placeholders when bias / alibi_slopes are absent.
-inline ffi::Error add_variant_grads(const VariantArgs& a, const VariantAttrs& at,
-                                    ffi::AnyBuffer dbias, ffi::AnyBuffer dalibi, bool deterministic,
-                                    BwdParams& p) {
+inline ffi::Error add_variant_grads(const VariantArgs& a, const CallAttrs& at,
+                                    ffi::AnyBuffer dbias, ffi::AnyBuffer dalibi, BwdParams& p) {
   if (at.has_bias) {
     if (dbias.element_type() != a.bias.element_type() ||
         dims_str(dbias.dimensions()) != dims_str(a.bias.dimensions()))
@@ -268,7 +287,7 @@ inline ffi::Error add_variant_grads(const VariantArgs& a, const VariantAttrs& at
   } else if (auto e = dead("dalibi", dalibi); e.failure()) {
     return e;
   }
-  p.deterministic = deterministic;
+  p.deterministic = at.deterministic;
   return ffi::Error::Success();
 }
 
@@ -307,4 +326,40 @@ inline ffi::Error make_bwd_params(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// A whole forward call: the fixed operands, the variant operands and the attrs.
+inline ffi::Error decode_fwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::RemainingArgs variants, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                             const CallAttrs& at, FwdParams& p) {
+  std::optional<VariantArgs> args;
+  if (auto e = make_fwd_params(q, k, v, o, lse, at.scale, at.is_causal, p); e.failure()) return e;
+  if (auto e = variant_args(variants, args); e.failure()) return e;
+  return add_variants(q, *args, at, p);
+}
+
+// A whole backward call; also binds the dbias/dalibi results of live bias/alibi_slopes.
+inline ffi::Error decode_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                             ffi::AnyBuffer dlse, ffi::RemainingArgs variants, ffi::AnyBuffer dq,
+                             ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
+                             ffi::AnyBuffer dalibi, const CallAttrs& at, BwdParams& p) {
+  std::optional<VariantArgs> args;
+  if (auto e = make_bwd_params(q, k, v, o, lse, dout, dlse, dq, dk, dv, at.scale, at.is_causal, p);
+      e.failure())
+    return e;
+  if (auto e = variant_args(variants, args); e.failure()) return e;
+  if (auto e = add_variants(q, *args, at, p); e.failure()) return e;
+  return add_variant_grads(*args, at, dbias, dalibi, p);
+}
+
 }  // namespace jaxflash
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxflash::CallAttrs, xla::ffi::StructMember<float>("scale"),
+    xla::ffi::StructMember<bool>("is_causal"), xla::ffi::StructMember<bool>("has_bias"),
+    xla::ffi::StructMember<bool>("has_mask"), xla::ffi::StructMember<bool>("has_q_lengths"),
+    xla::ffi::StructMember<bool>("has_kv_lengths"),
+    xla::ffi::StructMember<bool>("has_segment_ids"), xla::ffi::StructMember<bool>("has_alibi"),
+    xla::ffi::StructMember<int64_t>("window_left"),
+    xla::ffi::StructMember<int64_t>("window_right"),
+    xla::ffi::StructMember<bool>("bottom_right"), xla::ffi::StructMember<float>("softcap"),
+    xla::ffi::StructMember<float>("dropout_rate"), xla::ffi::StructMember<bool>("deterministic"));

@@ -50,7 +50,8 @@ def _lse_shape(q):
   return (*lead, n, t)
 
 
-def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate):
+def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
+                    deterministic=False):
   """(operands, attrs) for the CPU targets; `variants` maps VARIANT_OPERANDS names to arrays."""
   variants = variants or {}
   unknown = set(variants) - {name for name, _ in VARIANT_OPERANDS}
@@ -72,7 +73,7 @@ def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate):
                has_segment_ids=live("query_segment_ids"), has_alibi=live("alibi_slopes"),
                window_left=np.int64(left), window_right=np.int64(right),
                bottom_right=bool(bottom_right), softcap=np.float32(softcap or 0.0),
-               dropout_rate=np.float32(dropout_rate))
+               dropout_rate=np.float32(dropout_rate), deterministic=bool(deterministic))
   return operands, attrs
 
 
@@ -111,12 +112,12 @@ def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal
   base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
   if platform == "cuda":
     _check_cuda_bwd(variants, window, bottom_right, softcap, dropout_rate, deterministic)
-  operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate)
+  operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
+                                    deterministic)
   bias, alibi = operands[0], operands[6]
   out_types = grads + (_like(q, bias.shape, bias.dtype), _like(q, alibi.shape, alibi.dtype))
   call = jax.ffi.ffi_call(f"jaxflash_bwd_{platform}", out_types, vmap_method="broadcast_all")
-  dq, dk, dv, dbias, dalibi = call(q, k, v, out, lse, dout, dlse, *operands, **base, **attrs,
-                                   deterministic=bool(deterministic))
+  dq, dk, dv, dbias, dalibi = call(q, k, v, out, lse, dout, dlse, *operands, **base, **attrs)
   if variants is None:
     return dq, dk, dv
   return (dq, dk, dv, dbias if attrs["has_bias"] else None,
