@@ -164,19 +164,6 @@ __global__ void __launch_bounds__(RowChunks<kHeadDim>::kThreads)
                             n * p.dq_head_stride + c * 8) = out;
 }
 
-// ldmatrix on 32-bit shared-memory addresses: precomputed per-lane offsets stay one register each.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
 __device__ __forceinline__ void sts_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
 }
@@ -236,9 +223,9 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[kMi][4][4], uint32_t a, ui
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t ra[kMi][4], rb[2][4];
 #pragma unroll
-    for (int i = 0; i < kMi; ++i) ldsm_x4(ra[i], ldsm_block<kCols>(a, 16 * i, 16 * kk));
+    for (int i = 0; i < kMi; ++i) ldmatrix_x4(ra[i], ldsm_block<kCols>(a, 16 * i, 16 * kk));
 #pragma unroll
-    for (int j = 0; j < 2; ++j) ldsm_x4(rb[j], ldsm_block<kCols>(b, 16 * j, 16 * kk));
+    for (int j = 0; j < 2; ++j) ldmatrix_x4(rb[j], ldsm_block<kCols>(b, 16 * j, 16 * kk));
 #pragma unroll
     for (int i = 0; i < kMi; ++i) {
 #pragma unroll
@@ -262,10 +249,10 @@ __device__ __forceinline__ void gemm_atb(float (&acc)[2][kNj][4], uint32_t a, ui
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t ra[2][4], rb[kNj / 2][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) ldsm_x4_trans(ra[i], ldsm_block<kColsA>(a, 16 * kk, 16 * i));
+    for (int i = 0; i < 2; ++i) ldmatrix_x4_trans(ra[i], ldsm_block<kColsA>(a, 16 * kk, 16 * i));
 #pragma unroll
     for (int j = 0; j < kNj / 2; ++j)
-      ldsm_x4_trans(rb[j], ldsm_block<kColsB>(b, 16 * kk, 16 * j));
+      ldmatrix_x4_trans(rb[j], ldsm_block<kColsB>(b, 16 * kk, 16 * j));
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -495,9 +482,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       for (int kk = 0; kk < N / 16; ++kk) {
         uint32_t ra[2][4], rb[2][4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) ldsm_x4(ra[i], ldsm_block<N>(ldS, 16 * i, 16 * kk));
+        for (int i = 0; i < 2; ++i) ldmatrix_x4(ra[i], ldsm_block<N>(ldS, 16 * i, 16 * kk));
 #pragma unroll
-        for (int j = 0; j < 2; ++j) ldsm_x4_trans(rb[j], ldsm_block<D>(lK, 16 * kk, 16 * j));
+        for (int j = 0; j < 2; ++j) ldmatrix_x4_trans(rb[j], ldsm_block<D>(lK, 16 * kk, 16 * j));
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
 #pragma unroll
