@@ -395,10 +395,9 @@ def _check_window(local_window_size):
 def _resolve(query, value, implementation, scale, is_causal, variants=()) -> _Config:
   """`variants`: the names of the options in use that the CUDA backward lacks."""
   cuda_reason = _cuda_support(query, value)
-  if implementation in ("cpu", None) and not _ffi.cpu_built():
-    if implementation == "cpu":
-      raise ValueError(f"implementation='cpu' is not available: the jaxflash extension did "
-                       f"not load ({_ffi.missing_reason()})")
+  if implementation == "cpu" and not _ffi.cpu_built():
+    raise ValueError(f"implementation='cpu' is not available: the jaxflash extension did not "
+                     f"load ({_ffi.missing_reason()})")
   if implementation == "cuda" and cuda_reason:
     raise ValueError(f"implementation='cuda' cannot run these inputs: {cuda_reason}")
   cpu = "cpu" if _ffi.cpu_built() else "xla"
