@@ -14,7 +14,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -168,12 +167,6 @@ __device__ __forceinline__ void sts_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
 }
 
-__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-
 // The row and 8-column chunk (0 or 1) of a 16x16 block whose address a lane hands to an
 // ldmatrix.x4 (lane i addresses row i % 8 of matrix i / 8), for the two orders of the 4 matrices:
 //  * kA: matrices (rows 0-7, 8-15) x (cols 0-7, 8-15) in column order: an A fragment (m16 x k16)
@@ -191,41 +184,51 @@ __device__ __forceinline__ int ldsm_chunk(int lane) {
   return kOrder == Ldsm::kA ? lane / 16 : lane / 8 % 2;
 }
 
-// The lane's ldmatrix row address in a swizzled (rows, kCols) tile (see swz), as one register.
-// The lane's row r and 8-column chunk c (ldsm_row, ldsm_chunk) in the 16x16 block whose columns
-// start at 16 u sit at element r * kCols + 8 ((2 u + c) ^ (r % 8)) = r * kCols + 16 (u ^ r / 2 % 4)
-// + 8 (c ^ r % 2): in bytes, the u-dependence is bits 5-6 only, XORed with u % 4 (u / 4 moves
-// whole 128-byte rows of 8 chunks). So, with the lane's offset at u = 0,
-//   address of block (r0, 16 u) = ((base + off) ^ (u % 4) << 5) + r0 * kCols * 2 + u / 4 * 128
-// for any base and r0 that are multiples of 8 rows (every tile, every row block is 128-byte
-// aligned). One register per lane per operand instead of four, and the XOR is one LOP3 per
-// 16-column step, shared by every row block: fewer registers live across the main loop.
+// Byte offsets in a swizzled (rows, kCols) tile (see swz) of the lane's ldmatrix row in the
+// 16x16 blocks at columns 16 * v, v = 0..3. As the block's first row r0 is a multiple of 8
+// the swizzle is periodic: the block at (r0, c0) is at bytes r0 * kCols * 2 + off(c0), below.
 template <int kCols, Ldsm kOrder>
-__device__ __forceinline__ uint32_t ldsm_lane_offset(int lane) {
-  static_assert(kCols % 64 == 0 && kCols <= 128, "bits 5-6 must index 16-column blocks");
-  const int row = ldsm_row<kOrder>(lane), chunk = ldsm_chunk<kOrder>(lane);
-  return (row * kCols + ((chunk ^ (row & 7)) << 3)) * 2;
-}
+struct LdsmOffsets {
+  uint32_t v[4];
+  __device__ __forceinline__ explicit LdsmOffsets(int lane) {
+    const int row = ldsm_row<kOrder>(lane), chunk = ldsm_chunk<kOrder>(lane);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = (row * kCols + (((2 * i + chunk) ^ (row & 7)) << 3)) * 2;
+  }
+  // c0 % 16 == 0, known at compile time after unrolling (it indexes registers).
+  __device__ __forceinline__ uint32_t operator()(int c0) const {
+    return c0 / 64 * 128 + v[c0 / 16 % 4];
+  }
+};
 
-// Byte address of the 16x16 block at (r0, c0) of a tile whose lane address (base + lane offset)
-// is `lane_base`; c0 % 16 == 0 and r0 % 8 == 0, both compile-time after unrolling.
-template <int kCols>
-__device__ __forceinline__ uint32_t ldsm_block(uint32_t lane_base, int r0, int c0) {
-  return (lane_base ^ ((c0 / 16 % 4) << 5)) + r0 * kCols * 2 + c0 / 64 * 128;
-}
+
+// Byte offsets in a swizzled (rows, kCols) tile (see swz) of the lane's ldmatrix row in the
+// kCount 16x16 blocks at columns col0 + 16 * i (col0 % 16 == 0, set per warp at run time); the
+// block's first row is a multiple of 8 and is added as a plain row offset.
+template <int kCols, Ldsm kOrder, int kCount>
+struct LdsmCols {
+  uint32_t v[kCount];
+  __device__ __forceinline__ LdsmCols(int lane, int col0) {
+    const int row = ldsm_row<kOrder>(lane), chunk = ldsm_chunk<kOrder>(lane);
+#pragma unroll
+    for (int i = 0; i < kCount; ++i)
+      v[i] = (row * kCols + (((col0 / 8 + 2 * i + chunk) ^ (row & 7)) << 3)) * 2;
+  }
+};
 
 // acc (kMi m16 x 4 n8 tiles) += A B^T with A (16 kMi, kK) and B (32, kK) both row-major in
-// swizzled (rows, kCols) tiles; a, b: the lane addresses (ldsm_lane_offset kA, kB) of the
-// warp's first rows.
+// swizzled (rows, kCols) tiles at byte addresses a, b (the warp's first rows).
 template <typename T, int kMi, int kK, int kCols>
-__device__ __forceinline__ void gemm_abt(float (&acc)[kMi][4][4], uint32_t a, uint32_t b) {
+__device__ __forceinline__ void gemm_abt(float (&acc)[kMi][4][4], uint32_t a, uint32_t b,
+                                         const LdsmOffsets<kCols, Ldsm::kA>& off_a,
+                                         const LdsmOffsets<kCols, Ldsm::kB>& off_b) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t ra[kMi][4], rb[2][4];
 #pragma unroll
-    for (int i = 0; i < kMi; ++i) ldmatrix_x4(ra[i], ldsm_block<kCols>(a, 16 * i, 16 * kk));
+    for (int i = 0; i < kMi; ++i) ldmatrix_x4(ra[i], a + i * 16 * kCols * 2 + off_a(kk * 16));
 #pragma unroll
-    for (int j = 0; j < 2; ++j) ldmatrix_x4(rb[j], ldsm_block<kCols>(b, 16 * j, 16 * kk));
+    for (int j = 0; j < 2; ++j) ldmatrix_x4(rb[j], b + j * 16 * kCols * 2 + off_b(kk * 16));
 #pragma unroll
     for (int i = 0; i < kMi; ++i) {
 #pragma unroll
@@ -238,21 +241,19 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[kMi][4][4], uint32_t a, ui
 }
 
 // acc (2 m16 x kNj n8 tiles) += A^T B with A (kK, 32) and B (kK, 8 kNj) both row-major in
-// swizzled tiles; a, b: the lane addresses of row 0 at the warp's first column c0, i.e.
-// ldsm_block(base + ldsm_lane_offset (kB for A, kA for B), 0, c0). The blocks at c0 + 16 i then
-// follow by XOR with i << 5 as long as c0 / 16 + i does not carry out of the bits of i: c0 a
-// multiple of 32 for A (2 blocks) and of 8 kNj for B (kNj / 2 blocks).
+// swizzled tiles at byte addresses a, b (row 0), the warp's columns folded into off_a, off_b.
 template <typename T, int kNj, int kK, int kColsA, int kColsB>
-__device__ __forceinline__ void gemm_atb(float (&acc)[2][kNj][4], uint32_t a, uint32_t b) {
-  static_assert(kNj == 4 || kNj == 8, "B blocks 16 * j must stay inside one 128-byte row");
+__device__ __forceinline__ void gemm_atb(float (&acc)[2][kNj][4], uint32_t a, uint32_t b,
+                                         const LdsmCols<kColsA, Ldsm::kB, 2>& off_a,
+                                         const LdsmCols<kColsB, Ldsm::kA, kNj / 2>& off_b) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t ra[2][4], rb[kNj / 2][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) ldmatrix_x4_trans(ra[i], ldsm_block<kColsA>(a, 16 * kk, 16 * i));
+    for (int i = 0; i < 2; ++i) ldmatrix_x4_trans(ra[i], a + kk * 16 * kColsA * 2 + off_a.v[i]);
 #pragma unroll
     for (int j = 0; j < kNj / 2; ++j)
-      ldmatrix_x4_trans(rb[j], ldsm_block<kColsB>(b, 16 * kk, 16 * j));
+      ldmatrix_x4_trans(rb[j], b + kk * 16 * kColsB * 2 + off_b.v[j]);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -280,12 +281,7 @@ struct Thread {
 };
 
 template <typename T, int kHeadDim, bool kCausal>
-// Grid (key tile, kv head - kh0, batch - b0): the (b, kh) of a CTA come from blockIdx.y, z in
-// uniform registers, and so do the step count and the batch offsets derived from them, as G
-// (query heads per kv head) is a kernel argument: integer divisions in the kernel left them in
-// vector registers, which spilled.
-__global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
-    main_kernel(const BwdParams p, int b0, int kh0, int G) {
+__global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(const BwdParams p) {
   using Cfg = Tiles<kHeadDim>;
   constexpr int D = kHeadDim, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kMi = Cfg::kMiS, kNjKV = Cfg::kNjKV;
@@ -307,34 +303,30 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
 
   const int tid = threadIdx.x;
   const int seq_t = static_cast<int>(p.t), seq_s = static_cast<int>(p.s);
+  const int n_key_tiles = (seq_s + N - 1) / N;
   // Key tiles of one (b, kh) are adjacent in launch order (they share Q, dO in L2); key tile 0,
-  // the longest under causal, goes first. 32-bit indices; 64-bit only in the offsets they feed.
-  const int key_tile = static_cast<int>(blockIdx.x);
-  const int kh = kh0 + static_cast<int>(blockIdx.y), b = b0 + static_cast<int>(blockIdx.z);
+  // the longest under causal, goes first.
+  const int key_tile = static_cast<int>(blockIdx.x % n_key_tiles);
+  // 32-bit indices (the grid is < 2^31 CTAs); 64-bit only in the offsets they feed.
+  const int bk = static_cast<int>(blockIdx.x) / n_key_tiles;
+  const int kh = bk % static_cast<int>(p.kh), b = bk / static_cast<int>(p.kh);
+  const int G = static_cast<int>(p.n / p.kh);  // query heads per kv head (group() is host-only)
   const int n0 = key_tile * N;
 
   // Causal: query tiles whose rows all precede key n0 see nothing of this tile.
   const int m_first = kCausal ? n0 / M : 0;
   const int n_m = max(0, (seq_t + M - 1) / M - m_first);
-  const int iters = G * n_m;  // (query head, query tile) pairs
-  // Steps run over (query head n, first query row m0), m0 fastest, advanced by counting (a
-  // division of the step index kept a reciprocal live across the loop).
-  const int m_begin = m_first * M, m_end = (m_first + n_m) * M;
-  auto advance = [&](int& n, int& m0) {
-    m0 += M;
-    if (m0 == m_end) {
-      m0 = m_begin;
-      ++n;
-    }
-  };
+  const int iters = static_cast<int>(G) * n_m;  // (query head, query tile) pairs
 
   const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + kh * p.k_head_stride +
                 n0 * p.k_row_stride;  // (N, D)
   const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + kh * p.v_head_stride +
                 n0 * p.v_row_stride;  // (N, D)
 
-  // Issues the cp.async loads of the step (query head n, query rows m0..) into buffer `buf`.
-  auto load_step = [&](int n, int m0, int buf) {
+  // Issues the cp.async loads of step `it` (query head, query tile) into buffer `buf`.
+  auto load_step = [&](int it, int buf) {
+    const int n = kh * G + it / n_m;
+    const int m0 = (m_first + it % n_m) * M;
     const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride +
                   m0 * p.q_row_stride;  // (M, D)
     const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride +
@@ -368,7 +360,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       cp_async_16(&sK[swz<D>(row, col)], gK + (ok ? row * p.k_row_stride + col : 0), ok);
       cp_async_16(&sV[swz<D>(row, col)], gV + (ok ? row * p.v_row_stride + col : 0), ok);
     }
-    load_step(kh * G, m_begin, 0);
+    load_step(0, 0);
     cp_async_commit();
   }
 
@@ -379,12 +371,14 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
   float acc_dk[2][kNjKV][4] = {};  // the warp's (32, D / 2) block of dK
   float acc_dv[2][kNjKV][4] = {};  // (32, D / 2) of dV
 
-  for (int it = 0, n = kh * G, m0 = m_begin; it < iters; ++it) {
+  for (int it = 0; it < iters; ++it) {
     const int buf = it & 1;
     // Step `it` has landed, and every warp is done with step it - 1 (sP, sdS are free).
     cp_async_wait<0>();
     __syncthreads();
 
+    const int n = kh * G + it / n_m;
+    const int m0 = (m_first + it % n_m) * M;
     const uint32_t aQt = aQ + buf * M * D * 2, adOt = adO + buf * M * D * 2;  // (M, D) tiles
     const bool need_mask = (kCausal && m0 < n0 + N - 1) || m0 + M > seq_t || n0 + N > seq_s;
     const float* tLse = sLse + buf * M;
@@ -394,22 +388,21 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
       const Thread th(opaque(tid));
       const int g = th.g, tq = th.tq;
       const int s_q0 = th.warp / 4 * (M / 2), s_k0 = th.warp % 4 * 32;
-      const uint32_t offA = ldsm_lane_offset<D, Ldsm::kA>(th.lane);  // Q, dO as A
-      const uint32_t offB = ldsm_lane_offset<D, Ldsm::kB>(th.lane);  // K, V as B
+      const LdsmOffsets<D, Ldsm::kA> offA(th.lane);  // Q, dO as A
+      const LdsmOffsets<D, Ldsm::kB> offB(th.lane);  // K, V as B
       // The lane's 32-bit slot of sP, sdS (M, N) in n8 tile j of m16 tile 0 is at row s_q0 + g,
       // column s_k0 + 8 j + 2 tq; rows + 8 and + 16 i keep the swizzle g.
       const uint32_t st_row = (s_q0 + g) * N * 2 + 4 * tq;
       // Element e of tile (i, j): query s_q0 + 16 i + g + 8 (e / 2), key s_k0 + 8 j + 2 tq + e % 2.
 
       // S = Q K^T: (M / 2, 32) per warp; then P = exp2(S * scale_log2 - lse * log2e), masked,
-      // to sP as T, and as fp16 to the lane's own slot of sdS, where the dS of the same element
-      // will go: P is not live in registers across dP = dO V^T (kept there, 16 registers at
-      // H = 128 and 32 at H = 64 next to the dK, dV accumulators made the kernel spill). fp16
-      // keeps 11 bits of P <= 1, which dS rounded to T does not need more of.
-      // lse == -inf (no visible key) becomes +inf: P = 0.
+      // to sP as T and kept as fp16 pairs (16-bit registers: with P and dP both fp32 next to
+      // the dK, dV accumulators the kernel spilled; fp16 keeps 11 bits of P <= 1, which dS
+      // rounded to T does not need more of). lse == -inf (no visible key) becomes +inf: P = 0.
+      uint32_t rP[kMi][4][2];
       {
         float acc_s[kMi][4][4] = {};
-        gemm_abt<T, kMi, D, D>(acc_s, aQt + s_q0 * D * 2 + offA, aK + s_k0 * D * 2 + offB);
+        gemm_abt<T, kMi, D, D>(acc_s, aQt + s_q0 * D * 2, aK + s_k0 * D * 2, offA, offB);
 #pragma unroll
         for (int i = 0; i < kMi; ++i) {
 #pragma unroll
@@ -431,17 +424,16 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
               }
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
               sts_u32(aP + at, pack2<T>(pv[0], pv[1]));
-              sts_u32(adS + at, pack2<__half>(pv[0], pv[1]));
+              rP[i][j][h] = pack2<__half>(pv[0], pv[1]);
             }
           }
         }
       }
-      // dP = dO V^T: (M / 2, 32) per warp; dS = P * (dP - delta) to sdS as T, over the lane's own
-      // fp16 P (same thread, same address: no barrier). Masked P are 0, and so are their dS
-      // (dP, delta are finite: padded rows are zero-filled).
+      // dP = dO V^T: (M / 2, 32) per warp; dS = P * (dP - delta) to sdS as T. Masked P are
+      // 0, and so are their dS (dP, delta are finite: padded rows are zero-filled).
       {
         float acc_dp[kMi][4][4] = {};
-        gemm_abt<T, kMi, D, D>(acc_dp, adOt + s_q0 * D * 2 + offA, aV + s_k0 * D * 2 + offB);
+        gemm_abt<T, kMi, D, D>(acc_dp, adOt + s_q0 * D * 2, aV + s_k0 * D * 2, offA, offB);
 #pragma unroll
         for (int i = 0; i < kMi; ++i) {
 #pragma unroll
@@ -449,9 +441,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
             const float dl = tDelta[s_q0 + 16 * i + 8 * h + g];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
+              const float2 pv = __half22float2(*reinterpret_cast<const __half2*>(&rP[i][j][h]));
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
-              const uint32_t p16 = lds_u32(adS + at);
-              const float2 pv = __half22float2(*reinterpret_cast<const __half2*>(&p16));
               sts_u32(adS + at, pack2<T>(pv.x * (acc_dp[i][j][2 * h] - dl),
                                          pv.y * (acc_dp[i][j][2 * h + 1] - dl)));
             }
@@ -462,10 +453,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     __syncthreads();  // sP, sdS complete; every warp is done with the Q, dO of step it - 1
 
     // Prefetch the next step into the other buffer (last read by step it - 1's dV, dK).
-    int n_next = n, m0_next = m0;
-    advance(n_next, m0_next);
     if (it + 1 < iters) {
-      load_step(n_next, m0_next, buf ^ 1);
+      load_step(it + 1, buf ^ 1);
       cp_async_commit();
     }
 
@@ -474,17 +463,16 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     {
       const Thread th(opaque(tid));
       const int dq_q0 = th.warp % Cfg::kWarpsMdQ * 32, dq_d0 = th.warp / Cfg::kWarpsMdQ * 32;
-      // dS as A at (dq_q0, 0); K as B at (0, dq_d0), dq_d0 % 32 == 0 (see gemm_atb).
-      const uint32_t ldS = adS + dq_q0 * N * 2 + ldsm_lane_offset<N, Ldsm::kA>(th.lane);
-      const uint32_t lK = ldsm_block<D>(aK + ldsm_lane_offset<D, Ldsm::kA>(th.lane), 0, dq_d0);
+      const LdsmOffsets<N, Ldsm::kA> offdS(th.lane);          // dS as A
+      const LdsmCols<D, Ldsm::kA, 2> offdQ(th.lane, dq_d0);  // K as B
       float acc_dq[2][4][4] = {};
 #pragma unroll
       for (int kk = 0; kk < N / 16; ++kk) {
         uint32_t ra[2][4], rb[2][4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) ldmatrix_x4(ra[i], ldsm_block<N>(ldS, 16 * i, 16 * kk));
+        for (int i = 0; i < 2; ++i) ldmatrix_x4(ra[i], adS + (dq_q0 + 16 * i) * N * 2 + offdS(kk * 16));
 #pragma unroll
-        for (int j = 0; j < 2; ++j) ldmatrix_x4_trans(rb[j], ldsm_block<D>(lK, 16 * kk, 16 * j));
+        for (int j = 0; j < 2; ++j) ldmatrix_x4_trans(rb[j], aK + kk * 16 * D * 2 + offdQ.v[j]);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -511,18 +499,11 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1)
     // dV += P^T dO, dK += dS^T Q: (32, D / 2) per warp; k runs over the M queries.
     {
       const Thread th(opaque(tid));
-      // P^T, dS^T as A at column warp % 4 * 32 of (M, N); dO, Q as B at column warp / 4 * D / 2
-      // of (M, D). sP, sdS and the two buffers of sQ, sdO are whole tiles apart: the lane's
-      // offsets are shared.
-      const uint32_t offPt =
-          ldsm_block<N>(ldsm_lane_offset<N, Ldsm::kB>(th.lane), 0, th.warp % 4 * 32);
-      const uint32_t offKV =
-          ldsm_block<D>(ldsm_lane_offset<D, Ldsm::kA>(th.lane), 0, th.warp / 4 * (D / 2));
-      gemm_atb<T, kNjKV, M, N, D>(acc_dv, aP + offPt, adOt + offKV);
-      gemm_atb<T, kNjKV, M, N, D>(acc_dk, adS + offPt, aQt + offKV);
+      const LdsmCols<N, Ldsm::kB, 2> offPt(th.lane, th.warp % 4 * 32);           // P^T, dS^T as A
+      const LdsmCols<D, Ldsm::kA, kNjKV / 2> offKV(th.lane, th.warp / 4 * (D / 2));  // dO, Q as B
+      gemm_atb<T, kNjKV, M, N, D>(acc_dv, aP, adOt, offPt, offKV);
+      gemm_atb<T, kNjKV, M, N, D>(acc_dk, adS, aQt, offPt, offKV);
     }
-    n = n_next;
-    m0 = m0_next;
   }
 
   // Epilogue: stage dK (scaled), dV as T through sK, sV, then 16-byte stores of the rows < S.
@@ -574,21 +555,11 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     bwd::preprocess_kernel<T, kHeadDim>
         <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
   // Runs even when T == 0: dK, dV must then come out zero.
-  const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
-  if (key_tiles > 0 && p.kh > 0 && p.b > 0) {
+  const int64_t ctas = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN * p.kh * p.b;
+  if (ctas > 0) {
     auto kernel = bwd::main_kernel<T, kHeadDim, kCausal>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    // gridDim.y, z are at most 65535: larger kv head or batch counts take several launches.
-    constexpr int64_t kMaxYZ = 65535;
-    for (int64_t b0 = 0; b0 < p.b; b0 += kMaxYZ) {
-      for (int64_t kh0 = 0; kh0 < p.kh; kh0 += kMaxYZ) {
-        const dim3 grid(static_cast<unsigned>(key_tiles),
-                        static_cast<unsigned>(std::min(kMaxYZ, p.kh - kh0)),
-                        static_cast<unsigned>(std::min(kMaxYZ, p.b - b0)));
-        kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-            p, static_cast<int>(b0), static_cast<int>(kh0), static_cast<int>(p.n / p.kh));
-      }
-    }
+    kernel<<<static_cast<unsigned>(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   }
   if (rows > 0)
     bwd::convert_dq_kernel<T, kHeadDim>
