@@ -301,6 +301,19 @@ def _halves(x, axis):
   return jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis)
 
 
+def _ring_step(rc, step, me, size, kv, full, before, after, skip):
+  """The block computation of ring step `step` on device `me` (see the layout notes above):
+  the local block is causal, an earlier device's block is `before`, a later one's `after`
+  (zigzag) or full/skipped (contiguous)."""
+  if not rc.is_causal:
+    return full(*kv)
+  if step == 0:
+    return full(*kv, causal=True)
+  earlier = (me - step) % size < me
+  first, later = (before, after) if rc.layout == "zigzag" else (full, skip)
+  return jax.lax.cond(earlier, first, later, *kv)
+
+
 def _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc: _Ring):
   size = jax.lax.axis_size(rc.axis_name)
   me = jax.lax.axis_index(rc.axis_name)
@@ -327,14 +340,7 @@ def _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc: _Ring):
   kv = (k, v, kv_ids)  # the key block's segment ids travel with it
   for step in range(size):
     nxt = _shift(kv, rc.axis_name, size) if step + 1 < size else None  # overlaps the compute
-    if not rc.is_causal:
-      part = full(*kv)
-    elif step == 0:
-      part = full(*kv, causal=True)
-    else:
-      earlier = (me - step) % size < me
-      first, later = (before, after) if rc.layout == "zigzag" else (full, skip)
-      part = jax.lax.cond(earlier, first, later, *kv)
+    part = _ring_step(rc, step, me, size, kv, full, before, after, skip)
     acc = _merge(acc, part)
     kv = nxt
   out, lse = acc
@@ -369,14 +375,7 @@ def _ring_bwd_impl(rc: _Ring, res, cts):
   dq, dkv, kv = f32(q), (f32(k), f32(v)), (k, v, kv_ids)
   for step in range(size):
     nxt = _shift(kv, rc.axis_name, size) if step + 1 < size else None
-    if not rc.is_causal:
-      parts = full(*kv)
-    elif step == 0:
-      parts = full(*kv, causal=True)
-    else:
-      earlier = (me - step) % size < me
-      first, later = (before, after) if rc.layout == "zigzag" else (full, skip)
-      parts = jax.lax.cond(earlier, first, later, *kv)
+    parts = _ring_step(rc, step, me, size, kv, full, before, after, skip)
     dq = dq + parts[0].astype(jnp.float32)
     dkv = (dkv[0] + parts[1].astype(jnp.float32), dkv[1] + parts[2].astype(jnp.float32))
     # the gradients travel with their key block; after the last shift they are home
