@@ -40,7 +40,7 @@ namespace sm90 {
 // for d128 non-causal and 192 x 128 tiles for d64; Wgmma<176>/<192> exist for that step).
 template <int kHeadDim, bool kCausal>
 struct FwdTileSm90 {
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kCausal ? 128 : (kHeadDim == 128 ? 176 : 192);
 };
 
 template <typename T, int kHeadDim, bool kCausal>
@@ -201,14 +201,13 @@ __global__ void __launch_bounds__(384, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * (it % kStages));
     };
-    // Online softmax of a completed S: logits in log2 units, keys >= S and under causal keys
-    // s > t set to -inf (only on tiles reaching past S or past this warp's first row), new
-    // running max, l rescaled and P = 2^(S - m) in place; corr = 2^(m_old - m_new) is left
-    // for O, which may still be accumulating the previous tile.
+    // Online softmax of a completed S: keys >= S and under causal keys s > t set to -inf
+    // (only on tiles reaching past S or past this warp's first row), new running max m of the
+    // log2-scaled logits, l rescaled and P = 2^(S * scale_log2 - m) in place, one FFMA and one
+    // exp2 per element (the FP32 and MUFU pipes, not the tensor cores, bound this step);
+    // corr = 2^(m_old - m_new) is left for O, which may still be accumulating the previous tile.
     auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
       const int n0 = (n_blocks - 1 - it) * kBlockN;
-#pragma unroll
-      for (int i = 0; i < kNS; ++i) acc_s[i] *= p.scale_log2;
       if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
         const int kv_limit = s_len - n0;  // tile-relative key bound
         const int diag = m0 + wr - n0;    // column col is hidden from warp row r when col - r > diag
@@ -222,11 +221,11 @@ __global__ void __launch_bounds__(384, 1)
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = row_max[h];
+        float mx = -INFINITY;  // of the raw logits: the scale is positive
 #pragma unroll
         for (int i = 0; i < kNS / 4; ++i)
           mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
-        mx = quad_max(mx);
+        mx = fmaxf(row_max[h], quad_max(mx) * p.scale_log2);
         // A row with no visible key so far keeps m = -inf; subtracting 0 then gives P = 0.
         const float m_use = mx == -INFINITY ? 0.f : mx;
         corr[h] = exp2_approx(row_max[h] - m_use);
@@ -236,7 +235,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int i = 0; i < kNS / 4; ++i)
 #pragma unroll
           for (int c = 2 * h; c < 2 * h + 2; ++c) {
-            acc_s[4 * i + c] = exp2_approx(acc_s[4 * i + c] - m_use);
+            acc_s[4 * i + c] = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -m_use));
             row_sum[h] += acc_s[4 * i + c];
           }
       }
@@ -259,13 +258,28 @@ __global__ void __launch_bounds__(384, 1)
       }
     };
 
+    // Ping-pong (FA3): the two consumer warpgroups take turns issuing their GEMMs, so that
+    // one's softmax runs while the other's GEMMs hold the tensor cores. Warpgroup cw waits on
+    // barrier 3 + cw before a round of issues and then arrives on the other's. The rounds are
+    // the prologue's S, the loop's S + P V pairs and the last P V: n_blocks + 1 per warpgroup.
+    // Warpgroup 0 goes first: warpgroup 1 opens its barrier, and skips its last arrival,
+    // which nobody would wait for.
+    int rounds_left = n_blocks + 1;
+    auto turn_begin = [&] { named_barrier_sync(3 + cw, 256); };
+    auto turn_end = [&] {
+      if (cw == 0 || --rounds_left > 0) named_barrier_arrive(3 + (cw ^ 1), 256);
+    };
+    if (cw == 1 && n_blocks > 0) named_barrier_arrive(3, 256);
+
     // Intra-warpgroup overlap (FA3): S of tile it and P V of tile it - 1 are in flight
     // together; the softmax of tile it runs while P V still does, and only the O rescale
     // waits for it.
     uint32_t rP[kBlockN / 16][4];  // P of the previous tile, read by its in-flight P V
     if (n_blocks > 0) {
       float acc_s[kNS], corr[2];
+      turn_begin();
       issue_qk(acc_s, 0);
+      turn_end();
       wgmma_wait<0>();
       fence_regs(acc_s);
       softmax(acc_s, 0, corr);  // O is still 0: no rescale
@@ -273,8 +287,10 @@ __global__ void __launch_bounds__(384, 1)
     }
     for (int it = 1; it < n_blocks; ++it) {
       float acc_s[kNS], corr[2];
+      turn_begin();
       issue_qk(acc_s, it);
       issue_pv(rP, it - 1);
+      turn_end();
       wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
       fence_regs(acc_s);
       softmax(acc_s, it, corr);
@@ -285,7 +301,9 @@ __global__ void __launch_bounds__(384, 1)
       convert_p(acc_s, rP);
     }
     if (n_blocks > 0) {
+      turn_begin();
       issue_pv(rP, n_blocks - 1);
+      turn_end();
       wgmma_wait<0>();
       fence_regs(acc_o);
       release(n_blocks - 1);
