@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
-# (tests, main, bench, bench-quick), each logged under $OUT.
+# (tests, main, bench, bench-quick, sanitize, sanitize-hdims, ...), each logged under $OUT.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
 # jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so.
 set -uo pipefail
@@ -40,6 +40,11 @@ for stage in "$@"; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --small --D $D $c --reps 1 2>&1 | tail -2 \
             | sed "s/^/$tool D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
+    sanitize-hdims) for DDv in "32 32" "96 96" "192 192" "256 256" "192 128" "128 64"; do
+        read -r D Dv <<< "$DDv"; for tool in memcheck racecheck; do for c in "" --causal; do
+          timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
+            benchmarks/profile_kernels.py --small --D $D --Dv $Dv $c --reps 1 2>&1 | tail -2 \
+            | sed "s/^/$tool D=$D Dv=$Dv $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
     ring) timeout 400 python3 benchmarks/ring_scaling.py --out "$OUT/ring_scaling" 2>&1 | tee "$OUT/ring.log"
         timeout 180 python3 benchmarks/ring_scaling.py --gpus 4 --tokens-per-gpu 262144 --warmup 1 \
           --iters 2 --out "$OUT/ring_1m" 2>&1 | tail -3 | tee -a "$OUT/ring.log" ;;

@@ -4,26 +4,39 @@ find_package(CUDAToolkit REQUIRED)
 set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_ARCHITECTURES ${JAXFLASH_CUDA_ARCHS})
 
+# A head dim d brings its forward kernels (fwd_hdim<d>_*, and fwd_hdim<d>x<Hv>_* for a
+# narrower value head dim, e.g. the MLA 192x128), its sm90 forward where there is one, and
+# its backward (bwd_hdim<d>_*) where there is one; csrc/cuda/dispatch.h gets both lists.
 set(_cuda_sources csrc/ffi_cuda.cu)
+set(_inst_dir "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/instantiations")
+set(JAXFLASH_BWD_HEAD_DIMS "")
+set(_fwd_hdims "")
+set(_bwd_hdims "")
 foreach(hdim ${JAXFLASH_HEAD_DIMS})
-  file(GLOB _inst "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/instantiations/*_hdim${hdim}_*.cu")
-  if(NOT _inst)
+  file(GLOB _fwd "${_inst_dir}/fwd_hdim${hdim}_*.cu" "${_inst_dir}/fwd_hdim${hdim}x*.cu")
+  if(NOT _fwd)
     message(FATAL_ERROR "jaxflash: no CUDA kernels for head dim ${hdim}")
   endif()
-  list(APPEND _cuda_sources ${_inst})
+  file(GLOB _sm90 "${_inst_dir}/fwd_sm90_hdim${hdim}_*.cu")
+  file(GLOB _bwd "${_inst_dir}/bwd_hdim${hdim}_*.cu")
+  list(APPEND _cuda_sources ${_fwd} ${_sm90} ${_bwd})
+  string(APPEND _fwd_hdims ",${hdim}")
+  if(_bwd)
+    list(APPEND JAXFLASH_BWD_HEAD_DIMS ${hdim})
+    string(APPEND _bwd_hdims ",${hdim}")
+  endif()
 endforeach()
 
 target_sources(_jaxflash_ext PRIVATE ${_cuda_sources})
 # The build-info strings keep the lists' ";", which COMPILE_DEFINITIONS would split into
-# separate definitions even when escaped, so module.cc gets them from a generated header.
+# separate definitions even when escaped (and nvcc splits -D values at ","), so module.cc and
+# csrc/cuda/dispatch.h get them from a generated header.
 file(CONFIGURE OUTPUT "${CMAKE_CURRENT_BINARY_DIR}/jaxflash_build_info.h" CONTENT
-  "#define JAXFLASH_CUDA_ARCHS \"@JAXFLASH_CUDA_ARCHS@\"\n#define JAXFLASH_HEAD_DIMS \"@JAXFLASH_HEAD_DIMS@\"\n")
+  "#define JAXFLASH_CUDA_ARCHS \"@JAXFLASH_CUDA_ARCHS@\"\n#define JAXFLASH_HEAD_DIMS \"@JAXFLASH_HEAD_DIMS@\"\n#define JAXFLASH_BWD_HEAD_DIMS \"@JAXFLASH_BWD_HEAD_DIMS@\"\n#define JAXFLASH_FWD_HDIMS @_fwd_hdims@\n#define JAXFLASH_BWD_HDIMS @_bwd_hdims@\n")
+target_include_directories(_jaxflash_ext PRIVATE "${CMAKE_CURRENT_BINARY_DIR}")
 set_source_files_properties(csrc/module.cc PROPERTIES
   COMPILE_OPTIONS "-include;${CMAKE_CURRENT_BINARY_DIR}/jaxflash_build_info.h")
 target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_WITH_CUDA)
-foreach(hdim ${JAXFLASH_HEAD_DIMS})
-  target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_HDIM${hdim})
-endforeach()
 # The sm90 forward (wgmma, setmaxnreg) needs the arch-specific sm_90a target.
 if("90a" IN_LIST JAXFLASH_CUDA_ARCHS)
   target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_SM90)

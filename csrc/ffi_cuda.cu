@@ -22,22 +22,27 @@ ffi::Error cuda_error(const char* what) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// The head dims this build has kernels for, e.g. "64, 128", for error messages.
-std::string compiled_head_dims() {
+// The head dims (H == Hv) a direction has kernels for in this build, e.g. "64, 128".
+template <typename Compiled>
+std::string head_dims_str(Compiled compiled) {
   std::string out;
-  for (int h : {32, 64, 96, 128, 160, 192, 224, 256})
-    if (cuda::head_dim_compiled(h)) out += (out.empty() ? "" : ", ") + std::to_string(h);
+  for (int h : {32, 64, 96, 128, 192, 256})
+    if (compiled(h, h)) out += (out.empty() ? "" : ", ") + std::to_string(h);
   return out;
+}
+
+std::string got_head_dims(const FwdParams& p) {
+  return ", got H=" + std::to_string(p.h) + ", Hv=" + std::to_string(p.hv);
 }
 
 // What the CUDA kernels cover beyond what make_fwd_params already checked.
 ffi::Error validate_cuda(const FwdParams& p) {
   if (p.dtype != DType::kF16 && p.dtype != DType::kBF16)
     return invalid("the CUDA kernels take float16 or bfloat16 inputs, got float32");
-  if (p.h != p.hv || !cuda::head_dim_compiled(p.h))
-    return invalid("the CUDA kernels support head dims (" + compiled_head_dims() +
-                   ") with equal query and value head dims, got H=" + std::to_string(p.h) +
-                   ", Hv=" + std::to_string(p.hv));
+  if (!cuda::fwd_head_dims_compiled(p.h, p.hv))
+    return invalid("the CUDA forward kernel supports head dims H and Hv in (" +
+                   head_dims_str(cuda::fwd_head_dims_compiled) + ") with Hv <= H" +
+                   got_head_dims(p));
   // Kernels index rows with int (with a tile of headroom) and copy rows in 16-byte chunks.
   if (p.t >= (int64_t{1} << 30) || p.s >= (int64_t{1} << 30))
     return invalid("the CUDA kernels take sequence lengths below 2^30, got T=" +
@@ -50,9 +55,9 @@ ffi::Error validate_cuda(const FwdParams& p) {
 struct FwdLaunch {
   const FwdParams& p;
   cudaStream_t stream;
-  template <typename T, int kHeadDim, bool kCausal>
+  template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
   void operator()() const {
-    cuda::run_fwd_best<T, kHeadDim, kCausal>(p, stream);  // sm90 path where it applies
+    cuda::run_fwd_best<T, kHeadDim, kHeadDimV, kCausal>(p, stream);  // sm90 where it applies
   }
 };
 
@@ -73,7 +78,7 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (auto e = validate_cuda(p); e.failure()) return e;
   // Nothing to write. S == 0 is not empty: the kernel writes O = 0 and lse = -inf.
   if (p.b == 0 || p.t == 0 || p.n == 0) return ffi::Error::Success();
-  if (!cuda::dispatch(p, FwdLaunch{p, stream}))
+  if (!cuda::dispatch_fwd(p, FwdLaunch{p, stream}))
     return invalid("no CUDA forward kernel compiled for this dtype and head dim");
   return cuda_error("forward kernel launch failed");
 }
@@ -89,6 +94,14 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
                           attrs, p);
       e.failure())
     return e;
+  // First: implementation=None reaches this handler at such head dims (jaxflash/attention.py).
+  if (!cuda::bwd_head_dims_compiled(p.h, p.hv))
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "jaxflash: the CUDA backward kernel supports head dims (" +
+                          head_dims_str(cuda::bwd_head_dims_compiled) + ") with Hv == H" +
+                          got_head_dims(p) +
+                          " (the CUDA forward runs them; implementation='xla' differentiates "
+                          "through the reference)");
   if (const char* name = cuda::live_variant(p))
     return invalid(std::string("the CUDA backward kernel does not support `") + name +
                    "` yet (implementation=None uses the reference VJP for it on GPU)");
@@ -113,7 +126,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
                       "jaxflash: could not allocate the fp32 backward workspaces");
   p.delta = static_cast<float*>(*delta);
   p.dq_accum = static_cast<float*>(*dq_accum);
-  if (!cuda::dispatch(p, BwdLaunch{p, stream}))
+  if (!cuda::dispatch_bwd(p, BwdLaunch{p, stream}))
     return invalid("no CUDA backward kernel compiled for this dtype and head dim");
   return cuda_error("backward kernel launch failed");
 }

@@ -43,10 +43,12 @@ NB_MODULE(_jaxflash_ext, m) {
     info["cuda"] = true;
     info["cuda_archs"] = std::string(JAXFLASH_CUDA_ARCHS);
     info["cuda_head_dims"] = std::string(JAXFLASH_HEAD_DIMS);
+    info["cuda_bwd_head_dims"] = std::string(JAXFLASH_BWD_HEAD_DIMS);
 #else
     info["cuda"] = false;
     info["cuda_archs"] = std::string();
     info["cuda_head_dims"] = std::string();
+    info["cuda_bwd_head_dims"] = std::string();
 #endif
     return info;
   });

@@ -27,8 +27,9 @@ def environment() -> str:
            f"CPU kernel: {'built' if _ffi.cpu_built() else 'MISSING: ' + _ffi.missing_reason()}"]
   if _ffi.cuda_built():
     info = _ffi.BUILD_INFO
-    lines.append(f"CUDA kernels: built for archs {info['cuda_archs']}, "
-                 f"head dims {info['cuda_head_dims']}, float16/bfloat16")
+    lines.append(f"CUDA kernels: built for archs {info['cuda_archs']}, head dims "
+                 f"{info['cuda_head_dims']} (backward {info.get('cuda_bwd_head_dims', '')}), "
+                 "float16/bfloat16")
   else:
     lines.append("CUDA kernels: not built")
   return "\n".join(lines)

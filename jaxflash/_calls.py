@@ -7,7 +7,8 @@ psum and the gradients come out wrong).
 The CPU and CUDA targets take every variant operand in the order of VARIANT_OPERANDS; an absent
 one is passed as a zero-element placeholder and marked dead by its `has_*` attr
 (csrc/ffi_params.h checks both). The CUDA forward runs every variant; the CUDA backward none
-yet, so bwd(platform='cuda') raises for them (attention.py routes them to the reference VJP).
+yet, and fewer head dims, so bwd(platform='cuda') raises for them (attention.py routes
+variants to the reference VJP).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflash import _ffi
 from jaxflash.reference import window_bounds
 
 # Variant operands in binding order, with the dtype each has (None: q's dtype). Per-batch
@@ -77,8 +79,24 @@ def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
   return operands, attrs
 
 
-def _check_cuda_bwd(variants, window, bottom_right, softcap, dropout_rate, deterministic):
-  """Raises (at trace time) a ValueError naming what the CUDA backward kernel lacks."""
+def cuda_bwd_head_dims_error(H, Hv) -> str | None:
+  """Why the CUDA backward kernel cannot run head dims (H, Hv), or None. The set comes from
+  the build (_ffi.cuda_bwd_head_dims: the bwd_hdim<d> instantiations compiled), so a new
+  backward head dim needs no change here."""
+  dims = _ffi.cuda_bwd_head_dims()
+  if H == Hv and H in dims:
+    return None
+  return (f"the CUDA backward kernel supports head dims {dims} with Hv == H, got H={H}, "
+          f"Hv={Hv} (the CUDA forward runs them); use implementation='xla' to differentiate "
+          "through the reference")
+
+
+def _check_cuda_bwd(q, v, variants, window, bottom_right, softcap, dropout_rate, deterministic):
+  """Raises (at trace time) a NotImplementedError for head dims and a ValueError for variants
+  that the CUDA backward kernel lacks."""
+  reason = cuda_bwd_head_dims_error(q.shape[-1], v.shape[-1])
+  if reason:
+    raise NotImplementedError(reason)
   used = [name for name, x in (variants or {}).items()
           if x is not None and name != "dropout_seeds"]
   used += [name for name, on in (("local_window_size", window is not None),
@@ -105,13 +123,17 @@ def fwd(q, k, v, variants=None, *, scale: float, is_causal: bool, platform: str,
 
 def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal: bool,
         platform: str, window=None, bottom_right=False, softcap=None, dropout_rate=0.0,
-        deterministic=False):
+        deterministic=False, check=True):
   """Returns dq, dk, dv with the shapes and dtypes of q, k, v; and, when `variants` is given,
-  also dbias (bias's shape, or None) and dalibi (alibi_slopes' shape, or None)."""
+  also dbias (bias's shape, or None) and dalibi (alibi_slopes' shape, or None).
+
+  check: raise at trace time for what the CUDA backward lacks. False inside
+  lax.platform_dependent, whose CUDA branch is traced on every platform: there the CUDA
+  handler reports it, on GPUs only, when the call runs (before any launch)."""
   grads = tuple(_like(x, x.shape, x.dtype) for x in (q, k, v))
   base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
-  if platform == "cuda":
-    _check_cuda_bwd(variants, window, bottom_right, softcap, dropout_rate, deterministic)
+  if platform == "cuda" and check:
+    _check_cuda_bwd(q, v, variants, window, bottom_right, softcap, dropout_rate, deterministic)
   operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
                                     deterministic)
   bias, alibi = operands[0], operands[6]

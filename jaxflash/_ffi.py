@@ -13,7 +13,7 @@ else:
   _IMPORT_ERROR = ""
 
 BUILD_INFO: dict = _ext.build_info() if _ext is not None else {
-    "cuda": False, "cuda_archs": "", "cuda_head_dims": ""}
+    "cuda": False, "cuda_archs": "", "cuda_head_dims": "", "cuda_bwd_head_dims": ""}
 
 
 def _register() -> None:
@@ -35,8 +35,18 @@ def cuda_built() -> bool:
   return bool(BUILD_INFO["cuda"])
 
 
+def _dims(key) -> tuple[int, ...]:
+  return tuple(int(d) for d in BUILD_INFO.get(key, "").split(";") if d)
+
+
 def cuda_head_dims() -> tuple[int, ...]:
-  return tuple(int(d) for d in BUILD_INFO["cuda_head_dims"].split(";") if d)
+  """Head dims the CUDA forward runs (for H, and for any Hv <= H)."""
+  return _dims("cuda_head_dims")
+
+
+def cuda_bwd_head_dims() -> tuple[int, ...]:
+  """Head dims (H == Hv) the CUDA backward runs: those with bwd_hdim<d> instantiations."""
+  return _dims("cuda_bwd_head_dims")
 
 
 def missing_reason() -> str:

@@ -30,7 +30,8 @@ class _Config:
   cpu: str
   cuda: str
   # the backward on GPU: the CUDA backward kernel runs no variant yet, so with variants
-  # implementation=None pairs the CUDA forward with the reference VJP ("xla")
+  # implementation=None pairs the CUDA forward with the reference VJP ("xla"); at head dims
+  # the CUDA forward runs but its backward does not, it stays "cuda", which raises
   cuda_bwd: str
   # pinned: run `cpu` or `cuda` regardless of platform (an explicit implementation=)
   pinned: str | None
@@ -84,9 +85,10 @@ def _cuda_support(query, value) -> str | None:
     return (f"the CUDA kernels take float16 or bfloat16, got {query.dtype.name} (cast the "
             "inputs, or use implementation='xla' for float32)")
   H, Hv = query.shape[-1], value.shape[-1]
-  if H != Hv or H not in _ffi.cuda_head_dims():
-    return (f"the CUDA kernels support head dims {_ffi.cuda_head_dims()} with equal query "
-            f"and value head dims, got H={H}, Hv={Hv}")
+  dims = _ffi.cuda_head_dims()
+  if H not in dims or Hv not in dims or Hv > H:
+    return (f"the CUDA forward kernel supports head dims H and Hv in {dims} with Hv <= H, "
+            f"got H={H}, Hv={Hv}")
   return None
 
 
@@ -157,7 +159,8 @@ def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config):
       return reference_vjp
     return lambda q, k, v, out, lse, dout, dlse, ops: _calls.bwd(
         q, k, v, out, lse, dout, dlse, ops, scale=cfg.scale, is_causal=cfg.is_causal,
-        platform=impl, deterministic=cfg.deterministic, **cfg.options())
+        platform=impl, deterministic=cfg.deterministic, check=cfg.pinned is not None,
+        **cfg.options())
 
   def local(*args):
     if cfg.pinned:
@@ -246,7 +249,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       alignment, segment ids, soft cap, ALiBi, dropout or deterministic_backward yet. With
       any of them, implementation=None on GPU runs the CUDA forward and the 'xla'
       backward (the reference VJP, same dropout mask), and implementation='cuda' runs the
-      forward but raises a ValueError naming the option when differentiated.
+      forward but raises a ValueError naming the option when differentiated. The CUDA
+      forward takes head dims H, Hv in (32, 64, 96, 128, 192, 256) with Hv <= H (e.g. the
+      MLA 192/128); the CUDA backward fewer (jaxflash._ffi.cuda_bwd_head_dims(), H == Hv):
+      elsewhere a gradient raises, a NotImplementedError with 'cuda' and the CUDA handler's
+      error on GPU with None, rather than fall back to the O(T * S) reference VJP.
     return_residual: also return the logsumexp, (B, N, T) float32 (differentiable); -inf on
       rows that see no key.
 
@@ -402,8 +409,12 @@ def _resolve(query, value, implementation, scale, is_causal, variants=()) -> _Co
     raise ValueError(f"implementation='cuda' cannot run these inputs: {cuda_reason}")
   cpu = "cpu" if _ffi.cpu_built() else "xla"
   cuda = "xla" if cuda_reason else "cuda"
-  # pinned to 'cuda', the CUDA backward is kept so that _calls.bwd names what it lacks
-  cuda_bwd = "xla" if cuda == "xla" or (variants and implementation is None) else "cuda"
+  # Pinned to 'cuda', the CUDA backward is kept so that _calls.bwd names what it lacks. At
+  # a head dim it lacks, implementation=None keeps it too, so that a gradient on GPU fails
+  # in its handler rather than fall back to the O(T * S) reference VJP unasked.
+  bwd_head_dims_ok = _calls.cuda_bwd_head_dims_error(query.shape[-1], value.shape[-1]) is None
+  cuda_bwd = ("xla" if cuda == "xla" or (variants and implementation is None and bwd_head_dims_ok)
+              else "cuda")
   return _Config(scale=scale, is_causal=is_causal, cpu=cpu, cuda=cuda, cuda_bwd=cuda_bwd,
                  pinned=implementation)
 

@@ -97,3 +97,34 @@ def test_nan_propagates(impl):
 def test_cuda_long_sequences(dtype, is_causal, shape):
   """Many tiles in both directions, with ragged tails; the small SHAPES cover the edges."""
   test_forward_and_grads("cuda", dtype, is_causal, shape)
+
+
+# (H, Hv) the CUDA forward runs besides 64 and 128: the new head dims, the MLA shape and a
+# value head dim below H (V zero-padded to the kernel's). Forward only: the CUDA backward runs
+# fewer head dims (test_gpu checks that a gradient there says so).
+CUDA_FWD_HEAD_DIMS = [(32, 32), (96, 96), (192, 192), (256, 256), (192, 128), (128, 64)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dims", CUDA_FWD_HEAD_DIMS, ids=lambda d: "%dx%d" % d)
+# (B, T, S, N, K): ragged lengths over several query and key tiles with GQA, Sq > Sk, length 1
+@pytest.mark.parametrize("shape", [(2, 300, 517, 8, 2), (1, 77, 45, 4, 4), (1, 1, 33, 2, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_cuda_forward_head_dims(dtype, is_causal, head_dims, shape):
+  (H, Hv), (B, T, S, N, K) = head_dims, shape
+  if H not in jaxflash._ffi.cuda_head_dims() or Hv not in jaxflash._ffi.cuda_head_dims():
+    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
+  q, k, v = random_qkv(H + Hv + T, B, T, S, N, K, H, dtype, Hv=Hv)
+  run = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, is_causal=is_causal,
+                                                   implementation="cuda", return_residual=True))
+  with on_device("cuda"):
+    out, lse = run(q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  ref, ref_lse = jaxflash.attention_reference(*f32, is_causal=is_causal)
+  lo, lo_lse = jaxflash.attention_reference(q, k, v, is_causal=is_causal)
+  assert out.shape == (B, T, N, Hv) and out.dtype == dtype
+  assert_accurate("out", out, ref, lo, dtype)
+  assert_accurate("lse", lse, ref_lse, lo_lse, dtype)

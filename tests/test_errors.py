@@ -70,3 +70,41 @@ def test_handler_rejects_gqa_mismatch():
   with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match="multiple"):
     jax.block_until_ready(call(Q[:, :, :3], K, V, *ops, scale=np.float32(0.1),
                                is_causal=False, **attrs))
+
+
+@pytest.fixture
+def fake_cuda_build(monkeypatch):
+  """What a CUDA build with every forward head dim and the 64/128 backward reports."""
+  monkeypatch.setattr(_ffi, "cuda_built", lambda: True)
+  monkeypatch.setattr(_ffi, "cuda_head_dims", lambda: (32, 64, 96, 128, 192, 256))
+  monkeypatch.setattr(_ffi, "cuda_bwd_head_dims", lambda: (64, 128))
+
+
+@pytest.mark.parametrize("H, Hv", [(40, 40), (64, 128), (192, 100), (512, 512)])
+def test_cuda_rejects_head_dims_it_lacks(fake_cuda_build, H, Hv):
+  q, k, v = random_qkv(1, 1, 8, 8, 2, 2, H, jnp.bfloat16, Hv=Hv)
+  with pytest.raises(ValueError, match=rf"head dims H and Hv in \(32, 64, 96, 128, 192, 256\) "
+                                       rf"with Hv <= H, got H={H}, Hv={Hv}"):
+    jaxflash.attention(q, k, v, implementation="cuda")
+
+
+@pytest.mark.parametrize("H, Hv", [(32, 32), (192, 128), (256, 256), (128, 64)])
+def test_grad_at_forward_only_head_dims(fake_cuda_build, H, Hv):
+  """Traced only (no GPU here): the CUDA forward takes these head dims; its gradient raises a
+  NotImplementedError naming them when pinned to 'cuda', and with implementation=None the
+  GPU branch keeps the CUDA backward (whose handler names them) instead of the reference VJP,
+  while the CPU branch still differentiates."""
+  q, k, v = random_qkv(2, 1, 24, 40, 4, 2, H, jnp.bfloat16, Hv=Hv)
+  fwd = lambda impl, **kw: lambda q: jaxflash.attention(q, k, v, implementation=impl, **kw)
+  assert "jaxflash_fwd_cuda" in str(jax.make_jaxpr(fwd("cuda"))(q))
+  loss = lambda f: lambda q: jnp.sum(f(q).astype(jnp.float32))
+  with pytest.raises(NotImplementedError, match=rf"supports head dims \(64, 128\) with Hv == H, "
+                                                rf"got H={H}, Hv={Hv}"):
+    jax.make_jaxpr(jax.grad(loss(fwd("cuda"))))(q)
+  for kw in ({}, dict(local_window_size=5)):  # a variant would otherwise use the reference VJP
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss(fwd(None, **kw))))(q))
+    assert "jaxflash_bwd_cuda" in jaxpr and "jaxflash_bwd_cpu" in jaxpr
+  with jax.default_device(jax.devices("cpu")[0]):
+    got = jax.jit(jax.grad(loss(fwd(None))))(q)
+    want = jax.jit(jax.grad(loss(fwd("cpu"))))(q)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

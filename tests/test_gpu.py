@@ -1,10 +1,12 @@
-"""GPU-only checks: 64-bit offsets (a tensor of more than 2**31 elements), platform choice."""
+"""GPU-only checks: 64-bit offsets (a tensor of more than 2**31 elements), platform choice,
+head dims the forward runs and the backward does not."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jaxflash
+from jaxflash import _calls, _ffi
 from common import assert_accurate, gpu
 
 pytestmark = [pytest.mark.gpu, gpu]
@@ -53,3 +55,26 @@ def test_key_tensor_over_2pow31_elements():
   ref, _ = jax.jit(jaxflash.attention_reference)(f32(q), f32(k), f32(v))
   lo, _ = jax.jit(jaxflash.attention_reference)(q, k, v)
   assert_accurate("out", out, ref, lo, jnp.bfloat16)
+
+
+# (H, Hv) pairs the CUDA forward may run without a CUDA backward (decided per build).
+FORWARD_ONLY_CANDIDATES = [(32, 32), (96, 96), (192, 192), (256, 256), (192, 128), (128, 64)]
+
+
+@pytest.mark.parametrize("H, Hv", FORWARD_ONLY_CANDIDATES, ids=lambda d: str(d))
+def test_grad_at_forward_only_head_dims_raises(H, Hv):
+  """The CUDA forward runs (also by default); a gradient raises naming the head dims, both
+  pinned to 'cuda' (NotImplementedError at trace time) and with implementation=None (the
+  handler's error at run time, not the O(T * S) reference VJP behind the user's back)."""
+  if H not in _ffi.cuda_head_dims() or _calls.cuda_bwd_head_dims_error(H, Hv) is None:
+    pytest.skip("not a forward-only head dim pair in this build")
+  q, k, v = _rand(6, (1, 40, 2, H)), _rand(7, (1, 50, 2, H)), _rand(8, (1, 50, 2, Hv))
+  assert "jaxflash_fwd_cuda" in jax.jit(jaxflash.attention).lower(q, k, v).as_text()
+
+  def loss(impl):
+    return lambda q: jnp.sum(jaxflash.attention(q, k, v, implementation=impl).astype(jnp.float32))
+
+  with pytest.raises(NotImplementedError, match=rf"supports head dims .*got H={H}, Hv={Hv}"):
+    jax.grad(loss("cuda"))(q)
+  with pytest.raises(Exception, match=rf"CUDA backward kernel supports head dims .*H={H}, Hv={Hv}"):
+    jax.block_until_ready(jax.jit(jax.grad(loss(None)))(q))

@@ -100,34 +100,46 @@ def test_variant(impl, case):
   _check_case(impl, case, T, S, H, HV)
 
 
-# GPU-sized: the CUDA kernels take H = Hv in (64, 128); T and S span several query and key
-# tiles (64/128 and 32/64), with lengths that are not tile multiples.
+# GPU-sized: T and S span several query and key tiles (64/128 and 16 to 64), with lengths
+# that are not tile multiples.
 GPU_T, GPU_S = 200, 333
+# Every case at H = Hv = 64 and 128 (forward and the reference-VJP backward); the other head
+# dims of the CUDA forward, (H, Hv), run a few cases that use many rules at once.
+GPU_HEAD_DIMS = [(64, 64), (128, 128)]
+GPU_MORE_HEAD_DIMS = [(32, 32), (96, 96), (192, 192), (256, 256), (192, 128)]
+GPU_MORE_CASES = ["segments_causal_window", "bottom_right_lengths_window", "everything"]
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("case", [c for c in CASES if not c.endswith("f32")])
-def test_cuda_forward_variant(case, head_dim):
+@pytest.mark.parametrize("case, head_dims, dtype",
+                         [(c, d, DTYPE) for d in GPU_HEAD_DIMS for c in CASES
+                          if not c.endswith("f32")] +
+                         [(c, d, t) for d in GPU_MORE_HEAD_DIMS for c in GPU_MORE_CASES
+                          for t in (jnp.bfloat16, jnp.float16)],
+                         ids=lambda x: ("%dx%d" % x if isinstance(x, tuple) else
+                                        x if isinstance(x, str) else jnp.dtype(x).name))
+def test_cuda_forward_variant(case, head_dims, dtype):
   """implementation='cuda': the CUDA forward runs the variant (out and lse checked)."""
-  _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, with_grads=False)
+  if head_dims[0] not in jaxflash._ffi.cuda_head_dims():
+    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
+  _check_case("cuda", case, GPU_T, GPU_S, *head_dims, with_grads=False, dtype=dtype)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [h for h, _ in GPU_HEAD_DIMS])
 @pytest.mark.parametrize("case", [c for c in CASES if not c.endswith("f32")])
 def test_cuda_default_variant_with_reference_vjp(case, head_dim):
   """implementation=None on GPU: the CUDA forward and the reference VJP for the backward."""
   _check_case(None, case, GPU_T, GPU_S, head_dim, head_dim, device="cuda")
 
 
-def _check_case(impl, case, T, S, H, HV, with_grads=True, device=None):
+def _check_case(impl, case, T, S, H, HV, with_grads=True, device=None, dtype=DTYPE):
   static, diff = _cases(T, S)[case]
-  q = _rand(20, (B, T, N, H), DTYPE)
-  k = _rand(21, (B, S, K, H), DTYPE)
-  v = _rand(22, (B, S, K, HV), DTYPE)
+  q = _rand(20, (B, T, N, H), dtype)
+  k = _rand(21, (B, S, K, H), dtype)
+  v = _rand(22, (B, S, K, HV), dtype)
   dout = _rand(23, (B, T, N, HV))
   dlse = _rand(24, (B, N, T))
   if case.endswith("f32"):
@@ -329,6 +341,7 @@ def test_cuda_routing_of_variants(monkeypatch, kwargs, name):
   CUDA forward with the reference VJP on GPU."""
   monkeypatch.setattr(attention_mod._ffi, "cuda_built", lambda: True)
   monkeypatch.setattr(attention_mod._ffi, "cuda_head_dims", lambda: (H,))
+  monkeypatch.setattr(attention_mod._ffi, "cuda_bwd_head_dims", lambda: (H,))
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
   v = jnp.concatenate([v, v[..., : H - HV]], axis=-1)  # equal head dims, as CUDA needs
   fwd = lambda q: jaxflash.attention(q, k, v, implementation="cuda", **kwargs)

@@ -8,9 +8,8 @@
 // registers: the m16n8 accumulator of two adjacent key n8 tiles is exactly the m16k16 A
 // fragment of P.V.
 //
-// Shared tiles are row-major with H columns; the 16-byte chunk index is XORed with row % 8
-// so that the 8 row addresses of one ldmatrix matrix (same column, 8 consecutive rows) fall
-// into 8 different bank groups, and so are the cp.async writes and the O staging.
+// Shared tiles are row-major and swizzled (SmemTile) so that ldmatrix, the cp.async writes and
+// the O staging are free of bank conflicts.
 //
 // Variants (lengths, window, alignment, segment ids, mask, bias, soft cap, ALiBi, dropout;
 // semantics in jaxflash/reference.py) live in a second instantiation, kVariants, chosen at
@@ -30,58 +29,145 @@
 
 namespace jaxflash::cuda {
 
+// Head dims: one kernel per (kHeadDim, kHeadDimV) = (H, Hv) pair compiled (csrc/cuda/dispatch.h
+// lists them: 32, 64, 96, 128, 192, 256 with Hv == H, and the MLA shape 192/128), each with its
+// own tile shape, so no head dim pays mma work for padding. A kernel also runs any smaller
+// Hv (p.hv, a multiple of 8): V's 16-byte chunks past Hv are zero-filled on load and O's are
+// never stored. Head dims that are not multiples of 64 (32, 96) keep rows of the next multiple
+// of 64 in shared memory, so the swizzle stays one XOR per group of 8 chunks.
+//
 // Tile shapes for the 4-warp FA2 forward. 4 warps of 32 query rows, not 8 of 16: each warp
 // reads the whole K/V tile by ldmatrix, and with 8 warps those reads outrun the mma.sync
 // throughput. Key tiles are the widest with no register spill at 255 registers/thread
 // (ptxas -v): one key width wider spills ~100 bytes/thread of loop state.
-template <int kHeadDim, bool kVariants>
+template <int kHeadDim, int kHeadDimV, bool kVariants>
 struct FwdTile;
+
+// d32: O is 32 fp32 registers/thread and S (64 keys) 64; 48 KB of shared memory (rows of 64).
+template <>
+struct FwdTile<32, 32, false> {
+  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
+};
 
 // d64: O is 64 fp32 registers/thread and S (64 keys) another 64; 48 KB of shared memory.
 template <>
-struct FwdTile<64, false> {
+struct FwdTile<64, 64, false> {
   static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
+};
+
+// d96: O is 96 registers, so S gets 32 keys (64 spill 56 bytes/thread); 64 KB of shared
+// memory (rows of 128).
+template <>
+struct FwdTile<96, 96, false> {
+  static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4;
 };
 
 // d128: O alone is 128 fp32 registers/thread, so S gets 32 keys (32 registers), as FA2 does
 // on sm86/89; 64 KB of shared memory. Registers cap residency at 2 CTAs (8 warps) per SM.
 template <>
-struct FwdTile<128, false> {
+struct FwdTile<128, 128, false> {
   static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 4;
 };
 
-// With variants, the per-element rules (bias/mask addresses, segment ids, hashes) need
-// registers the tiles above do not leave: at kBlockM 128 both head dims spill 70-120
-// bytes/thread. 4 warps of 16 rows halve O (d128: 64 registers), so S gets 64 keys (ptxas:
-// 206 / 240 registers, no spill); 40 KB (d64) and 80 KB (d128) of shared memory.
-template <int kHeadDim>
-struct FwdTile<kHeadDim, true> {
+// MLA 192/128: the d128 tile spills 24 bytes/thread (q.k is wider), so warps own 16 rows (O:
+// 64 registers) and S gets 64 keys; 104 KB of shared memory.
+template <>
+struct FwdTile<192, 128, false> {
   static constexpr int kBlockM = 64, kBlockN = 64, kWarps = 4;
 };
 
-template <typename T, int kHeadDim, bool kVariants = false>
+// d192 and d256: a warp of 32 rows would need 192 / 256 registers for O alone, so warps own
+// 16 rows (O: 96 / 128 registers) and S gets 32 keys; 72 / 96 KB of shared memory.
+template <>
+struct FwdTile<192, 192, false> {
+  static constexpr int kBlockM = 64, kBlockN = 32, kWarps = 4;
+};
+
+template <>
+struct FwdTile<256, 256, false> {
+  static constexpr int kBlockM = 64, kBlockN = 32, kWarps = 4;
+};
+
+// With variants, the per-element rules (bias/mask addresses, segment ids, hashes) need
+// registers the tiles above do not leave: at kBlockM 128 d64 and d128 spill 70-120
+// bytes/thread. 4 warps of 16 rows halve O (d128: 64 registers), so S gets 64 keys (ptxas:
+// 210 / 250 registers, no spill) up to Hv 128, and fewer past it, where O grows.
+template <int kHeadDim, int kHeadDimV>
+struct FwdTile<kHeadDim, kHeadDimV, true> {
+  static constexpr int kBlockM = 64, kWarps = 4;
+  static constexpr int kBlockN = kHeadDimV <= 128 ? 64 : kHeadDimV <= 192 ? 32 : 16;
+};
+
+// A shared (rows, kCols) tile, row-major with a row stride of kStride >= kCols elements (kCols
+// rounded up to 64: the columns past kCols are never written nor read), and how kThreads
+// threads fill it by cp.async. The 16-byte chunk index is XORed with row % 8 inside each group
+// of 8 chunks (128 bytes), so that the 8 row addresses of one ldmatrix matrix (same column, 8
+// consecutive rows) fall into 8 different bank groups, and so are the cp.async writes and the
+// O staging.
+template <typename T, int kCols, int kThreads>
+struct SmemTile {
+  static constexpr int kStride = (kCols + 63) / 64 * 64;
+  static constexpr int kChunks = kCols / 8;  // 16-byte chunks per row
+  // kThreadsPerRow threads copy a row, each kChunksPerThread chunks kThreadsPerRow apart, and
+  // a pass of the CTA copies kRowsPerPass whole rows.
+  static constexpr int kThreadsPerRow = kChunks % 16 == 0 ? 16 : kChunks % 8 == 0 ? 8 : 4;
+  static constexpr int kChunksPerThread = kChunks / kThreadsPerRow;
+  static constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  static_assert(kCols % 32 == 0, "whole k16 mma steps and 4-chunk row copies");
+  static_assert(kRowsPerPass % 8 == 0, "passes keep row % 8, hence the swizzle, fixed");
+
+  // Element offset of (row, col).
+  __device__ static __forceinline__ int swz(int row, int col) {
+    const int chunk = col >> 3;
+    return row * kStride + (((chunk ^ row) & 7) | (chunk & ~7)) * 8 + (col & 7);
+  }
+
+  // This thread's first source element of a tile whose row 0 is global row row0.
+  __device__ static __forceinline__ const T* thread_src(const T* gX, int64_t row_stride,
+                                                        int row0, int tid) {
+    return gX + (row0 + tid / kThreadsPerRow) * row_stride + tid % kThreadsPerRow * 8;
+  }
+
+  // cp.async a (kRows, kCols) tile into sX; src = thread_src(...) of the tile. Rows at or past
+  // rows_left (counted from this thread's first row) and chunks at or past `chunks` (Hv / 8 of
+  // a V tile wider than Hv) are zero-filled, and their source address is never dereferenced.
+  template <int kRows>
+  __device__ static __forceinline__ void load_tile(T* sX, const T* src, int64_t row_stride,
+                                                   int rows_left, int chunks, int tid) {
+    static_assert(kRows % kRowsPerPass == 0, "whole passes");
+    const int row0 = tid / kThreadsPerRow, chunk0 = tid % kThreadsPerRow;
+#pragma unroll
+    for (int j = 0; j < kChunksPerThread; ++j) {
+      const int chunk = chunk0 + j * kThreadsPerRow;
+      const uint32_t dst = smem_addr(sX + swz(row0, chunk * 8));
+#pragma unroll
+      for (int it = 0; it < kRows / kRowsPerPass; ++it)
+        cp_async_16(dst + it * kRowsPerPass * kStride * sizeof(T),
+                    src + it * kRowsPerPass * row_stride + j * kThreadsPerRow * 8,
+                    it * kRowsPerPass < rows_left && chunk < chunks);
+    }
+  }
+};
+
+template <typename T, int kHeadDim, int kHeadDimV, bool kVariants = false>
 struct FwdCfg {
-  static constexpr int kBlockM = FwdTile<kHeadDim, kVariants>::kBlockM;
-  static constexpr int kBlockN = FwdTile<kHeadDim, kVariants>::kBlockN;
-  static constexpr int kWarps = FwdTile<kHeadDim, kVariants>::kWarps;
+  static constexpr int kBlockM = FwdTile<kHeadDim, kHeadDimV, kVariants>::kBlockM;
+  static constexpr int kBlockN = FwdTile<kHeadDim, kHeadDimV, kVariants>::kBlockN;
+  static constexpr int kWarps = FwdTile<kHeadDim, kHeadDimV, kVariants>::kWarps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kWarpRows = kBlockM / kWarps;  // query rows per warp
   static constexpr int kMTiles = kWarpRows / 16;      // m16 tiles per warp
-  static constexpr int kChunks = kHeadDim / 8;        // 16-byte chunks per row
-  static constexpr int kTileQ = kBlockM * kHeadDim;   // elements of sQ
-  static constexpr int kTileKV = kBlockN * kHeadDim;  // elements of one sK / sV stage
+  using TileQK = SmemTile<T, kHeadDim, kThreads>;     // sQ, sK
+  using TileVO = SmemTile<T, kHeadDimV, kThreads>;    // sV, and O staged in sQ
+  static constexpr int kTileQ = kBlockM * TileQK::kStride;   // elements of sQ
+  static constexpr int kTileK = kBlockN * TileQK::kStride;   // elements of one sK stage
+  static constexpr int kTileV = kBlockN * TileVO::kStride;   // elements of one sV stage
   // sQ + 2 stages of sK and sV, plus slack to align them to 128 bytes (step16 needs it)
-  static constexpr int kSmemBytes = (kTileQ + 4 * kTileKV) * static_cast<int>(sizeof(T)) + 128;
+  static constexpr int kSmemBytes =
+      (kTileQ + 2 * kTileK + 2 * kTileV) * static_cast<int>(sizeof(T)) + 128;
 
-  static_assert(kHeadDim % 64 == 0, "the swizzle permutes groups of 8 chunks (64 columns)");
   static_assert(kWarpRows % 16 == 0 && kBlockN % 16 == 0, "whole m16 / k16 mma tiles");
-  static_assert(kThreads % kChunks == 0, "a pass of the CTA copies whole rows");
-
-  // Element offset of (row, col) in a swizzled shared tile with kHeadDim columns.
-  __device__ static __forceinline__ int swz(int row, int col) {
-    const int chunk = col >> 3;
-    return row * kHeadDim + (((chunk ^ row) & 7) | (chunk & ~7)) * 8 + (col & 7);
-  }
+  static_assert(kHeadDimV <= kHeadDim, "O is staged in sQ");
 
   // Shared address of a fragment row 16 * kk columns to the right of addr0, whose column is
   // 0 or 8 in a swizzled tile with a 128-byte aligned base: the chunk index moves by 2 kk,
@@ -89,31 +175,6 @@ struct FwdCfg {
   // the row's XOR; a whole group further is a plain add.
   __device__ static __forceinline__ uint32_t step16(uint32_t addr0, int kk) {
     return (addr0 ^ ((kk % 4) * 32)) + (kk / 4) * 128;
-  }
-
-  // A pass of the CTA's cp.async copies kRowsPerPass whole rows of a tile; this thread copies
-  // column chunk tid % kChunks of rows tid / kChunks + it * kRowsPerPass.
-  static constexpr int kRowsPerPass = kThreads / kChunks;
-  static_assert(kRowsPerPass % 8 == 0, "passes keep row % 8, hence the swizzle, fixed");
-
-  // This thread's first source element of a tile whose row 0 is global row row0.
-  __device__ static __forceinline__ const T* thread_src(const T* gX, int64_t row_stride,
-                                                        int row0, int tid) {
-    return gX + (row0 + tid / kChunks) * row_stride + tid % kChunks * 8;
-  }
-
-  // cp.async a (kRows, H) tile into the swizzled sX; src = thread_src(...) of the tile.
-  // Rows at or past rows_left (counted from this thread's first row) are zero-filled and
-  // their source address is never dereferenced.
-  template <int kRows>
-  __device__ static __forceinline__ void load_tile(T* sX, const T* src, int64_t row_stride,
-                                                   int rows_left, int tid) {
-    static_assert(kRows % kRowsPerPass == 0, "whole passes");
-    const uint32_t dst = smem_addr(sX + swz(tid / kChunks, tid % kChunks * 8));
-#pragma unroll
-    for (int it = 0; it < kRows / kRowsPerPass; ++it)
-      cp_async_16(dst + it * kRowsPerPass * kHeadDim * sizeof(T), src + it * kRowsPerPass * row_stride,
-                  it * kRowsPerPass < rows_left);
   }
 };
 
@@ -283,20 +344,22 @@ struct FwdVariants {
 struct NoVariants {};
 
 // kVariants: the variant rules of p (FwdVariants) apply, causal included (kCausal is false).
-template <typename T, int kHeadDim, bool kCausal, bool kVariants>
-__global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
+template <typename T, int kHeadDim, int kHeadDimV, bool kCausal, bool kVariants>
+__global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kHeadDimV, kVariants>::kThreads, 2)
     flash_fwd_kernel(const FwdParams p, int num_m_blocks) {
   static_assert(!(kCausal && kVariants), "the variant kernel reads is_causal from p");
-  using Cfg = FwdCfg<T, kHeadDim, kVariants>;
+  using Cfg = FwdCfg<T, kHeadDim, kHeadDimV, kVariants>;
+  using TileQK = typename Cfg::TileQK;
+  using TileVO = typename Cfg::TileVO;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
-  constexpr int kWarpRows = Cfg::kWarpRows, kMTiles = Cfg::kMTiles, kChunks = Cfg::kChunks;
+  constexpr int kWarpRows = Cfg::kWarpRows, kMTiles = Cfg::kMTiles;
   constexpr int kNTilesS = kBlockN / 8;    // n8 tiles of S (keys)
-  constexpr int kNTilesO = kHeadDim / 8;   // n8 tiles of O (head dim)
+  constexpr int kNTilesO = kHeadDimV / 8;  // n8 tiles of O (value head dim)
 
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem + (128 - smem_addr(smem) % 128) % 128);  // (kBlockM, H); reused to stage O
   T* sK = sQ + Cfg::kTileQ;            // (2, kBlockN, H)
-  T* sV = sK + 2 * Cfg::kTileKV;       // (2, kBlockN, H)
+  T* sV = sK + 2 * Cfg::kTileK;        // (2, kBlockN, Hv)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tig = lane % 4;  // accumulator row (and row + 8) and column pair
@@ -311,16 +374,20 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
   if (kCausal || (kVariants && p.is_causal)) m_block = num_m_blocks - 1 - m_block;
   const int64_t kvh = n / (p.n / p.kh);  // GQA: kv head of query head n (p.group() is host-only)
   const int m0 = m_block * kBlockM;      // first query row of the tile
-  const int row_in = tid / kChunks;      // first tile row this thread copies
+  // First tile row this thread copies of q/k and of v; the real chunks of a row of each.
+  const int row_qk = tid / TileQK::kThreadsPerRow, row_v = tid / TileVO::kThreadsPerRow;
+  // H is kHeadDim; Hv may be below kHeadDimV (zero-filled V columns, unstored O columns).
+  constexpr int chunks_qk = TileQK::kChunks;
+  const int chunks_v = static_cast<int>(p.hv / 8);
 
   const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
-  Cfg::template load_tile<kBlockM>(sQ, Cfg::thread_src(gQ, p.q_row_stride, m0, tid),
-                                   p.q_row_stride, t_len - m0 - row_in, tid);
+  TileQK::template load_tile<kBlockM>(sQ, TileQK::thread_src(gQ, p.q_row_stride, m0, tid),
+                                      p.q_row_stride, t_len - m0 - row_qk, chunks_qk, tid);
   // This thread's source rows of K/V key 0; the tile at key n0 starts n0 rows further.
-  const T* gK = Cfg::thread_src(
+  const T* gK = TileQK::thread_src(
       static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride,
       p.k_row_stride, 0, tid);
-  const T* gV = Cfg::thread_src(
+  const T* gV = TileVO::thread_src(
       static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride,
       p.v_row_stride, 0, tid);
   // Keys [key_lo, key_hi) this tile needs: all S, or under causal up to its last stored row
@@ -337,10 +404,10 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
     n0 = vs.next_live(vs.key_lo, lane);
   }
   if (n0 < key_hi) {
-    Cfg::template load_tile<kBlockN>(sK, gK + n0 * p.k_row_stride, p.k_row_stride,
-                                     kv_end - n0 - row_in, tid);
-    Cfg::template load_tile<kBlockN>(sV, gV + n0 * p.v_row_stride, p.v_row_stride,
-                                     kv_end - n0 - row_in, tid);
+    TileQK::template load_tile<kBlockN>(sK, gK + n0 * p.k_row_stride, p.k_row_stride,
+                                        kv_end - n0 - row_qk, chunks_qk, tid);
+    TileVO::template load_tile<kBlockN>(sV, gV + n0 * p.v_row_stride, p.v_row_stride,
+                                        kv_end - n0 - row_v, chunks_v, tid);
   }
   cp_async_commit();
 
@@ -367,10 +434,12 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
   //   K (B of S = Q K^T, two n8 tiles): (keys +0..7, d +0..7), (keys +0..7, d +8..15), then
   //     the same for keys +8..15;
   //   V (B of O = P V, .trans, two n8 tiles): (keys +0..7 | +8..15) x (d +0..7 | +8..15).
-  constexpr uint32_t kRowBytes = kHeadDim * sizeof(T);
-  const uint32_t q_addr = smem_addr(sQ + Cfg::swz(warp_row + lane % 16, lane / 16 * 8));
-  const uint32_t k_addr = smem_addr(sK + Cfg::swz(lane % 8 + lane / 16 * 8, (lane / 8) % 2 * 8));
-  const uint32_t v_addr = smem_addr(sV + Cfg::swz(lane % 16, lane / 16 * 8));
+  constexpr uint32_t kRowBytes = TileQK::kStride * sizeof(T);
+  constexpr uint32_t kRowBytesV = TileVO::kStride * sizeof(T);
+  const uint32_t q_addr = smem_addr(sQ + TileQK::swz(warp_row + lane % 16, lane / 16 * 8));
+  const uint32_t k_addr =
+      smem_addr(sK + TileQK::swz(lane % 8 + lane / 16 * 8, (lane / 8) % 2 * 8));
+  const uint32_t v_addr = smem_addr(sV + TileVO::swz(lane % 16, lane / 16 * 8));
   for (int stage = 0; n0 < key_hi; stage ^= 1) {
     // Tile n0 has landed for every thread, and every warp is done with the other stage.
     cp_async_wait<0>();
@@ -378,12 +447,12 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
     int next = n0 + kBlockN;
     if constexpr (kVariants) next = vs.next_live(next, lane);
     if (next < key_hi) {
-      Cfg::template load_tile<kBlockN>(sK + (stage ^ 1) * Cfg::kTileKV,
-                                       gK + next * p.k_row_stride, p.k_row_stride,
-                                       kv_end - next - row_in, tid);
-      Cfg::template load_tile<kBlockN>(sV + (stage ^ 1) * Cfg::kTileKV,
-                                       gV + next * p.v_row_stride, p.v_row_stride,
-                                       kv_end - next - row_in, tid);
+      TileQK::template load_tile<kBlockN>(sK + (stage ^ 1) * Cfg::kTileK,
+                                          gK + next * p.k_row_stride, p.k_row_stride,
+                                          kv_end - next - row_qk, chunks_qk, tid);
+      TileVO::template load_tile<kBlockN>(sV + (stage ^ 1) * Cfg::kTileV,
+                                          gV + next * p.v_row_stride, p.v_row_stride,
+                                          kv_end - next - row_v, chunks_v, tid);
     }
     cp_async_commit();
 
@@ -395,8 +464,8 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
       for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc_s[mi][nt][c] = 0.f;
-    const uint32_t stage_bytes = stage * Cfg::kTileKV * sizeof(T);  // a multiple of 128
-    const uint32_t k_addr_j = k_addr + stage_bytes;
+    // Stage offsets are multiples of 128 bytes, as step16 needs.
+    const uint32_t k_addr_j = k_addr + stage * Cfg::kTileK * sizeof(T);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       uint32_t rQ[kMTiles][4];  // A fragments of the k16 step kk
@@ -486,7 +555,7 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
       }
 
     // O += P V: P's accumulator tiles 2kk, 2kk+1 are the A fragment of k16 step kk.
-    const uint32_t v_addr_j = v_addr + stage_bytes;
+    const uint32_t v_addr_j = v_addr + stage * Cfg::kTileV * sizeof(T);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t rP[kMTiles][4];
@@ -498,10 +567,10 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
         rP[mi][3] = pack2<T>(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);  // row g+8, k 8..15
       }
 #pragma unroll
-      for (int dj = 0; dj < kHeadDim / 16; ++dj) {
+      for (int dj = 0; dj < kHeadDimV / 16; ++dj) {
         // B fragments (V, transposed on load) of head-dim n8 tiles 2dj and 2dj+1
         uint32_t rV[4];
-        ldmatrix_x4_trans(rV, Cfg::step16(v_addr_j, dj) + kk * 16 * kRowBytes);
+        ldmatrix_x4_trans(rV, Cfg::step16(v_addr_j, dj) + kk * 16 * kRowBytesV);
         const uint32_t b0[2] = {rV[0], rV[1]}, b1[2] = {rV[2], rV[3]};
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi) {
@@ -514,7 +583,8 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
   }
 
   // Epilogue: O = acc / l and lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0,
-  // lse = -inf. O is staged through this warp's own rows of sQ for 16-byte global stores.
+  // lse = -inf. O is staged through this warp's own rows of sQ (their first Hv columns, in
+  // sQ's layout, so no other warp's Q is touched) for 16-byte global stores.
   cp_async_wait<0>();  // with no key tile, the Q copy may still be landing in sQ
   __syncwarp();
   T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
@@ -528,7 +598,7 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
       const int row = warp_row + mi * 16 + g + h * 8;
 #pragma unroll
       for (int dt = 0; dt < kNTilesO; ++dt) {
-        *reinterpret_cast<uint32_t*>(sQ + Cfg::swz(row, dt * 8 + tig * 2)) =
+        *reinterpret_cast<uint32_t*>(sQ + TileQK::swz(row, dt * 8 + tig * 2)) =
             pack2<T>(acc_o[mi][dt][2 * h] * inv, acc_o[mi][dt][2 * h + 1] * inv);
       }
       if (tig == 0 && m0 + row < t_len)
@@ -536,23 +606,23 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kVariants>::kThreads, 2)
     }
   __syncwarp();
 #pragma unroll
-  for (int it = 0; it < kWarpRows * kChunks / 32; ++it) {
+  for (int it = 0; it < kWarpRows * TileVO::kChunks / 32; ++it) {
     const int i = it * 32 + lane;
-    const int row = warp_row + i / kChunks, c = i % kChunks;
-    if (m0 + row < t_len)
+    const int row = warp_row + i / TileVO::kChunks, c = i % TileVO::kChunks;
+    if (m0 + row < t_len && c < chunks_v)  // the columns past Hv are padding
       *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(m0 + row) * p.o_row_stride + c * 8) =
-          *reinterpret_cast<const uint4*>(sQ + Cfg::swz(row, c * 8));
+          *reinterpret_cast<const uint4*>(sQ + TileQK::swz(row, c * 8));
   }
 }
 
-template <typename T, int kHeadDim, bool kCausal, bool kVariants>
+template <typename T, int kHeadDim, int kHeadDimV, bool kCausal, bool kVariants>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfg<T, kHeadDim, kVariants>;
+  using Cfg = FwdCfg<T, kHeadDim, kHeadDimV, kVariants>;
   const int64_t num_m_blocks = (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM;
   // Fits grid.x (< 2^31) for any tensor that fits in memory: lse alone would need > 1 TB.
   const int64_t grid = num_m_blocks * p.n * p.b;
   if (grid == 0) return;
-  auto kernel = flash_fwd_kernel<T, kHeadDim, kCausal, kVariants>;
+  auto kernel = flash_fwd_kernel<T, kHeadDim, kHeadDimV, kCausal, kVariants>;
   if (Cfg::kSmemBytes > 48 * 1024) {
     // Per device and cheap; a failure shows up in the caller's cudaGetLastError().
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -564,12 +634,12 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
 }
 
 // The variant kernel covers causal too (p.is_causal), so each file compiles it once.
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_fwd(const FwdParams& p, cudaStream_t stream) {
   if (live_variant(p))
-    launch_fwd<T, kHeadDim, false, true>(p, stream);
+    launch_fwd<T, kHeadDim, kHeadDimV, false, true>(p, stream);
   else
-    launch_fwd<T, kHeadDim, kCausal, false>(p, stream);
+    launch_fwd<T, kHeadDim, kHeadDimV, kCausal, false>(p, stream);
 }
 
 }  // namespace jaxflash::cuda

@@ -24,8 +24,9 @@ inline const char* live_variant(const FwdParams& p) {
   return nullptr;
 }
 
-// T is __half or __nv_bfloat16; kHeadDim is H (== Hv). Every variant of p is supported.
-template <typename T, int kHeadDim, bool kCausal>
+// T is __half or __nv_bfloat16; kHeadDim is H and kHeadDimV >= Hv (dispatch_fwd_head_dims
+// says which pair runs which (H, Hv)). Every variant of p is supported.
+template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_fwd(const FwdParams& p, cudaStream_t stream);
 
 // p.delta (B, N, T) and p.dq_accum (B, T, N, H) must point at fp32 device workspace.

@@ -2,6 +2,6 @@
 #include "../flash_fwd.cuh"
 
 namespace jaxflash::cuda {
-template void run_fwd<__nv_bfloat16, 128, false>(const FwdParams&, cudaStream_t);
-template void run_fwd<__nv_bfloat16, 128, true>(const FwdParams&, cudaStream_t);
+template void run_fwd<__nv_bfloat16, 128, 128, false>(const FwdParams&, cudaStream_t);
+template void run_fwd<__nv_bfloat16, 128, 128, true>(const FwdParams&, cudaStream_t);
 }  // namespace jaxflash::cuda

@@ -2,6 +2,6 @@
 #include "../flash_fwd.cuh"
 
 namespace jaxflash::cuda {
-template void run_fwd<__half, 64, false>(const FwdParams&, cudaStream_t);
-template void run_fwd<__half, 64, true>(const FwdParams&, cudaStream_t);
+template void run_fwd<__half, 64, 64, false>(const FwdParams&, cudaStream_t);
+template void run_fwd<__half, 64, 64, true>(const FwdParams&, cudaStream_t);
 }  // namespace jaxflash::cuda

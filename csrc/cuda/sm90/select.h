@@ -1,7 +1,8 @@
 // Chooses between the sm90 (TMA + wgmma) forward and the sm80 (mma.sync) one at run time.
 // The sm90 kernel is compiled only when the build targets sm_90a (JAXFLASH_SM90, set by
 // cmake/cuda.cmake) and runs only on a cc 9.x device, for plain attention (no variant) with
-// at least one key. JAXFLASH_DISABLE_SM90=1 forces the sm80 kernel (A/B benchmarking).
+// at least one key, at H == Hv in {64, 128}. JAXFLASH_DISABLE_SM90=1 forces the sm80 kernel
+// (A/B benchmarking).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "../dispatch.h"
 #include "../launch.h"
 
 namespace jaxflash::cuda {
@@ -57,18 +59,28 @@ inline bool use_fwd_sm90(const FwdParams& p) {
 }
 #endif
 
+// The head dims the sm90 kernel has (instantiations/fwd_sm90_hdim<d>_*, compiled with d):
+// H == Hv in {64, 128}. Every other pair, and a smaller Hv on these kernels, runs on sm80.
+template <int kHeadDim, int kHeadDimV>
+constexpr bool has_fwd_sm90() {
+  return kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128) &&
+         contains(FwdHeadDims{}, kHeadDim);
+}
+
 // The forward the handler launches: sm90 where it applies, else sm80.
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_fwd_best(const FwdParams& p, cudaStream_t stream) {
 #ifdef JAXFLASH_SM90
-  if (use_fwd_sm90(p)) {
-    if (run_fwd_sm90<T, kHeadDim, kCausal>(p, stream)) return;
-    static std::atomic<bool> warned{false};
-    if (!warned.exchange(true))
-      std::fprintf(stderr, "jaxflash: cannot build TMA descriptors; using the sm80 forward\n");
+  if constexpr (has_fwd_sm90<kHeadDim, kHeadDimV>()) {
+    if (p.hv == kHeadDimV && use_fwd_sm90(p)) {
+      if (run_fwd_sm90<T, kHeadDim, kCausal>(p, stream)) return;
+      static std::atomic<bool> warned{false};
+      if (!warned.exchange(true))
+        std::fprintf(stderr, "jaxflash: cannot build TMA descriptors; using the sm80 forward\n");
+    }
   }
 #endif
-  run_fwd<T, kHeadDim, kCausal>(p, stream);
+  run_fwd<T, kHeadDim, kHeadDimV, kCausal>(p, stream);
 }
 
 }  // namespace jaxflash::cuda

@@ -1,0 +1,7 @@
+// Forward kernel, head dim 32, fp16.
+#include "../flash_fwd.cuh"
+
+namespace jaxflash::cuda {
+template void run_fwd<__half, 32, 32, false>(const FwdParams&, cudaStream_t);
+template void run_fwd<__half, 32, 32, true>(const FwdParams&, cudaStream_t);
+}  // namespace jaxflash::cuda
