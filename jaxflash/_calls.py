@@ -6,8 +6,8 @@ psum and the gradients come out wrong).
 
 The CPU and CUDA targets take every variant operand in the order of VARIANT_OPERANDS; an absent
 one is passed as a zero-element placeholder and marked dead by its `has_*` attr
-(csrc/ffi_params.h checks both). The CUDA forward runs every variant; the CUDA backward none
-yet, so bwd(platform='cuda') raises for them (attention.py routes them to the reference VJP).
+(csrc/ffi_params.h checks both). The CUDA forward and backward run every variant, and the
+backward honours `deterministic` on every platform.
 """
 
 from __future__ import annotations
@@ -77,21 +77,6 @@ def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
   return operands, attrs
 
 
-def _check_cuda_bwd(variants, window, bottom_right, softcap, dropout_rate, deterministic):
-  """Raises (at trace time) a ValueError naming what the CUDA backward kernel lacks."""
-  used = [name for name, x in (variants or {}).items()
-          if x is not None and name != "dropout_seeds"]
-  used += [name for name, on in (("local_window_size", window is not None),
-                                 ("causal_alignment", bottom_right),
-                                 ("logits_soft_cap", bool(softcap)),
-                                 ("dropout_rate", dropout_rate > 0),
-                                 ("deterministic_backward", deterministic)) if on]
-  if used:
-    raise ValueError(f"the CUDA backward kernel does not support {used} yet (the CUDA forward "
-                     "does); use implementation=None, which differentiates these through the "
-                     "reference VJP on GPU, or implementation='xla'")
-
-
 def fwd(q, k, v, variants=None, *, scale: float, is_causal: bool, platform: str, window=None,
         bottom_right=False, softcap=None, dropout_rate=0.0):
   """(..., T, N, H), (..., S, K, H), (..., S, K, Hv) -> out (..., T, N, Hv), lse (..., N, T)."""
@@ -110,8 +95,6 @@ def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal
   also dbias (bias's shape, or None) and dalibi (alibi_slopes' shape, or None)."""
   grads = tuple(_like(x, x.shape, x.dtype) for x in (q, k, v))
   base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
-  if platform == "cuda":
-    _check_cuda_bwd(variants, window, bottom_right, softcap, dropout_rate, deterministic)
   operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
                                     deterministic)
   bias, alibi = operands[0], operands[6]
