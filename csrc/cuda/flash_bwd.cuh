@@ -409,36 +409,29 @@ template <typename T, int kMi>
 __device__ void dbias_block(const BwdParams& p, const float (&dz)[kMi][4][4], int64_t base,
                             int rows_left, int keys_left, int g, int tq) {
   const BcastStrides& st = p.bias_strides;
-  const auto at = [&](int i, int j, int c, int& r, int& k) {
-    r = 16 * i + 8 * (c / 2) + g;
-    k = 8 * j + 2 * tq + c % 2;
-    return r < rows_left && k < keys_left;  // elements past T or S do not exist
-  };
-  if (!p.dbias_accum) {
-    T* dst = static_cast<T*>(p.dbias) + base;
+  // f(dz, i, j, c, r, k) for every element of the block that exists (none past T or S).
+  const auto each = [&](auto&& f) {
 #pragma unroll
     for (int i = 0; i < kMi; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          int r, k;
-          if (at(i, j, c, r, k)) dst[r * st.row + k * st.col] = static_cast<T>(dz[i][j][c]);
+          const int r = 16 * i + 8 * (c / 2) + g, k = 8 * j + 2 * tq + c % 2;
+          if (r < rows_left && k < keys_left) f(dz[i][j][c], i, j, c, r, k);
         }
+  };
+  if (!p.dbias_accum) {
+    T* dst = static_cast<T*>(p.dbias) + base;
+    each([&](float x, int, int, int, int r, int k) {
+      dst[r * st.row + k * st.col] = static_cast<T>(x);
+    });
     return;
   }
   float* acc = p.dbias_accum + base;
   if (st.row == 0) {  // one bias row: sum the block's rows (over i, c / 2, then the 8 g lanes)
     float col_sum[4][2] = {};
-#pragma unroll
-    for (int i = 0; i < kMi; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          int r, k;
-          if (at(i, j, c, r, k)) col_sum[j][c % 2] += dz[i][j][c];
-        }
+    each([&](float x, int, int j, int c, int, int) { col_sum[j][c % 2] += x; });
     float all = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -467,15 +460,7 @@ __device__ void dbias_block(const BwdParams& p, const float (&dz)[kMi][4][4], in
   }
   if (st.col == 0) {  // one bias column: sum the block's keys (over j, c % 2, then the 4 tq lanes)
     float row_sum[kMi][2] = {};
-#pragma unroll
-    for (int i = 0; i < kMi; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          int r, k;
-          if (at(i, j, c, r, k)) row_sum[i][c / 2] += dz[i][j][c];
-        }
+    each([&](float x, int i, int, int c, int, int) { row_sum[i][c / 2] += x; });
 #pragma unroll
     for (int i = 0; i < kMi; ++i)
 #pragma unroll
@@ -488,16 +473,9 @@ __device__ void dbias_block(const BwdParams& p, const float (&dz)[kMi][4][4], in
       }
     return;
   }
-#pragma unroll
-  for (int i = 0; i < kMi; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        int r, k;
-        if (at(i, j, c, r, k) && dz[i][j][c] != 0.f)
-          atomicAdd(acc + r * st.row + k * st.col, dz[i][j][c]);
-      }
+  each([&](float x, int, int, int, int r, int k) {
+    if (x != 0.f) atomicAdd(acc + r * st.row + k * st.col, x);
+  });
 }
 
 // kVariants: the variant rules of p apply, causal included (kCausal is false), and so does
@@ -1105,7 +1083,7 @@ __global__ void __launch_bounds__(256) convert_dbias_kernel(const BwdParams p, i
 }
 
 // dalibi[b, n] = the sum of dalibi_accum[b, n, :] over the key tiles, in order.
-__global__ void __launch_bounds__(256) reduce_dalibi_kernel(const BwdParams p, int n_key_tiles) {
+static __global__ void __launch_bounds__(256) reduce_dalibi_kernel(const BwdParams p, int n_key_tiles) {
   const int64_t bn = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (bn >= p.b * p.n) return;
   float x = 0.f;
@@ -1137,7 +1115,7 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
   const BwdWorkspace w = bwd_workspace(p);
   if (variants) {
     // Elements no CTA visits (skipped tiles) keep these zeros; the turns start at 0.
-    if (p.dbias && !p.dbias_accum)
+    if (p.dbias && dbias_direct(p))
       cudaMemsetAsync(p.dbias, 0, bias_elements(p) * sizeof(T), stream);
     if (w.dbias_accum) cudaMemsetAsync(p.dbias_accum, 0, w.dbias_accum * sizeof(float), stream);
     if (w.dalibi_accum) cudaMemsetAsync(p.dalibi_accum, 0, w.dalibi_accum * sizeof(float), stream);
