@@ -1,7 +1,7 @@
 // CUDA FFI handlers: decode buffers -> params, validate what the CUDA kernels cover, then
 // dispatch to one compiled (dtype, head dim, causal) instantiation on XLA's stream.
-// Both bind every variant operand and attr exactly as the CPU handlers (ffi_cpu.cc); the
-// forward kernel runs them all, the backward kernel none yet (it returns InvalidArgument).
+// Both bind every variant operand and attr exactly as the CPU handlers (ffi_cpu.cc), and the
+// kernels run them all.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -102,11 +102,6 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
                           got_head_dims(p) +
                           " (the CUDA forward runs them; implementation='xla' differentiates "
                           "through the reference)");
-  if (const char* name = cuda::live_variant(p))
-    return invalid(std::string("the CUDA backward kernel does not support `") + name +
-                   "` yet (implementation=None uses the reference VJP for it on GPU)");
-  if (attrs.deterministic)
-    return invalid("the CUDA backward kernel does not support deterministic_backward yet");
   if (auto e = validate_cuda(p); e.failure()) return e;
   for (const void* ptr : {p.dout, static_cast<const void*>(p.dq), static_cast<const void*>(p.dk),
                           static_cast<const void*>(p.dv)})
@@ -114,18 +109,29 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   // With no query or no key there is no attention weight: every gradient is zero (dk and dv
   // may still be non-empty, e.g. T == 0 < S).
   if (p.b == 0 || p.t == 0 || p.n == 0 || p.s == 0) {
-    for (ffi::AnyBuffer* buf : {&*dq, &*dk, &*dv})
+    for (ffi::AnyBuffer* buf : {&*dq, &*dk, &*dv, &*dbias, &*dalibi})
       if (buf->size_bytes() > 0) cudaMemsetAsync(buf->untyped_data(), 0, buf->size_bytes(), stream);
     return cuda_error("zero-filling the gradients failed");
   }
   const size_t rows = static_cast<size_t>(p.b * p.n * p.t);  // (B, N, T) = (B, T, N) rows
-  auto delta = scratch.Allocate(rows * sizeof(float), 16);
-  auto dq_accum = scratch.Allocate(rows * static_cast<size_t>(p.h) * sizeof(float), 16);
-  if (!delta || !dq_accum)
+  const cuda::BwdWorkspace w = cuda::bwd_workspace(p);
+  bool allocated = true;
+  // A 4-byte workspace of `count` elements, or null when count is 0.
+  auto allocate = [&](int64_t count) -> void* {
+    if (count == 0) return nullptr;
+    auto buf = scratch.Allocate(static_cast<size_t>(count) * 4, 16);
+    allocated = allocated && buf.has_value();
+    return buf.value_or(nullptr);
+  };
+  p.delta = static_cast<float*>(allocate(static_cast<int64_t>(rows)));
+  p.dq_accum = static_cast<float*>(allocate(static_cast<int64_t>(rows) * p.h));
+  p.dbias_accum = static_cast<float*>(allocate(w.dbias_accum));
+  p.dalibi_accum = static_cast<float*>(allocate(w.dalibi_accum));
+  p.dq_turn = static_cast<int*>(allocate(w.dq_turn));
+  p.kv_seg_range = static_cast<int*>(allocate(w.kv_seg_range));
+  if (!allocated)
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "jaxflash: could not allocate the fp32 backward workspaces");
-  p.delta = static_cast<float*>(*delta);
-  p.dq_accum = static_cast<float*>(*dq_accum);
   if (!cuda::dispatch_bwd(p, BwdLaunch{p, stream}))
     return invalid("no CUDA backward kernel compiled for this dtype and head dim");
   return cuda_error("backward kernel launch failed");

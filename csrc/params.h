@@ -73,6 +73,11 @@ struct BwdParams : FwdParams {
   void* dbias = nullptr;         // bias's shape, dense, dtype of q: dlogits summed over broadcast dims
   float* dalibi = nullptr;       // (B, N): gradient of alibi_slopes
   bool deterministic = false;    // bit-identical backward across runs (the CPU kernel always is)
+  // fp32/int32 workspaces of the CUDA variant backward (launch.h sizes them); null when unused.
+  float* dbias_accum = nullptr;  // bias's shape: dbias summed over the CTAs that share an element
+  float* dalibi_accum = nullptr; // (B, N, key tiles): dalibi of each key tile, summed in order
+  int* dq_turn = nullptr;        // (B, N, query tiles): deterministic dQ, contributors done so far
+  int* kv_seg_range = nullptr;   // (B, key tiles, 2): min and max segment id of each key tile
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;

@@ -6,9 +6,9 @@ psum and the gradients come out wrong).
 
 The CPU and CUDA targets take every variant operand in the order of VARIANT_OPERANDS; an absent
 one is passed as a zero-element placeholder and marked dead by its `has_*` attr
-(csrc/ffi_params.h checks both). The CUDA forward runs every variant; the CUDA backward none
-yet, and fewer head dims, so bwd(platform='cuda') raises for them (attention.py routes
-variants to the reference VJP).
+(csrc/ffi_params.h checks both). The CUDA forward and backward run every variant, and the
+backward honours `deterministic` on every platform; the CUDA backward runs fewer head dims than
+the forward, so bwd(platform='cuda') raises for those.
 """
 
 from __future__ import annotations
@@ -91,23 +91,11 @@ def cuda_bwd_head_dims_error(H, Hv) -> str | None:
           "through the reference")
 
 
-def _check_cuda_bwd(q, v, variants, window, bottom_right, softcap, dropout_rate, deterministic):
-  """Raises (at trace time) a NotImplementedError for head dims and a ValueError for variants
-  that the CUDA backward kernel lacks."""
+def _check_cuda_bwd(q, v):
+  """Raises (at trace time) a NotImplementedError for head dims the CUDA backward lacks."""
   reason = cuda_bwd_head_dims_error(q.shape[-1], v.shape[-1])
   if reason:
     raise NotImplementedError(reason)
-  used = [name for name, x in (variants or {}).items()
-          if x is not None and name != "dropout_seeds"]
-  used += [name for name, on in (("local_window_size", window is not None),
-                                 ("causal_alignment", bottom_right),
-                                 ("logits_soft_cap", bool(softcap)),
-                                 ("dropout_rate", dropout_rate > 0),
-                                 ("deterministic_backward", deterministic)) if on]
-  if used:
-    raise ValueError(f"the CUDA backward kernel does not support {used} yet (the CUDA forward "
-                     "does); use implementation=None, which differentiates these through the "
-                     "reference VJP on GPU, or implementation='xla'")
 
 
 def fwd(q, k, v, variants=None, *, scale: float, is_causal: bool, platform: str, window=None,
@@ -133,7 +121,7 @@ def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal
   grads = tuple(_like(x, x.shape, x.dtype) for x in (q, k, v))
   base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
   if platform == "cuda" and check:
-    _check_cuda_bwd(q, v, variants, window, bottom_right, softcap, dropout_rate, deterministic)
+    _check_cuda_bwd(q, v)
   operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
                                     deterministic)
   bias, alibi = operands[0], operands[6]

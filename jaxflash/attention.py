@@ -29,10 +29,6 @@ class _Config:
   # kernel per platform; "xla" means the reference (a fallback or the user's choice)
   cpu: str
   cuda: str
-  # the backward on GPU: the CUDA backward kernel runs no variant yet, so with variants
-  # implementation=None pairs the CUDA forward with the reference VJP ("xla"); at head dims
-  # the CUDA forward runs but its backward does not, it stays "cuda", which raises
-  cuda_bwd: str
   # pinned: run `cpu` or `cuda` regardless of platform (an explicit implementation=)
   pinned: str | None
   window: tuple[int, int] | None = None  # (left, right), see reference.window_bounds
@@ -154,7 +150,7 @@ def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config):
     return vjp((dout, dlse))
 
   def kernel(platform):
-    impl = cfg.cuda_bwd if platform == "cuda" else getattr(cfg, platform)
+    impl = getattr(cfg, platform)
     if impl == "xla":
       return reference_vjp
     return lambda q, k, v, out, lse, dout, dlse, ops: _calls.bwd(
@@ -240,20 +236,16 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       and the reference see one mask.
     dropout_rng: a jax PRNG key; required when dropout_rate > 0.
     deterministic_backward: ask for a backward that is bit-identical across runs. The CPU
-      kernel and 'xla' on CPU always are; the CUDA backward does not support it yet (see
-      implementation).
+      kernel and 'xla' on CPU always are; the CUDA backward then adds dQ (and dbias of a
+      broadcast bias) in a fixed order instead of with atomics, at some cost in speed.
     implementation: None (the best kernel for the platform the computation lowers to:
       CUDA on GPUs where it covers the inputs, the C++ kernel on CPU, else 'xla'),
-      'cuda', 'cpu', or 'xla' (the pure-JAX reference). The CUDA forward runs every option
-      above; the CUDA backward none of bias, mask, seq lengths, window, bottom_right
-      alignment, segment ids, soft cap, ALiBi, dropout or deterministic_backward yet. With
-      any of them, implementation=None on GPU runs the CUDA forward and the 'xla'
-      backward (the reference VJP, same dropout mask), and implementation='cuda' runs the
-      forward but raises a ValueError naming the option when differentiated. The CUDA
-      forward takes head dims H, Hv in (32, 64, 96, 128, 192, 256) with Hv <= H (e.g. the
-      MLA 192/128); the CUDA backward fewer (jaxflash._ffi.cuda_bwd_head_dims(), H == Hv):
-      elsewhere a gradient raises, a NotImplementedError with 'cuda' and the CUDA handler's
-      error on GPU with None, rather than fall back to the O(T * S) reference VJP.
+      'cuda', 'cpu', or 'xla' (the pure-JAX reference). The CUDA kernels (float16 and
+      bfloat16) run every option above, forward and backward. The CUDA forward takes head
+      dims H, Hv in (32, 64, 96, 128, 192, 256) with Hv <= H (e.g. the MLA 192/128); the
+      CUDA backward fewer (jaxflash._ffi.cuda_bwd_head_dims(), H == Hv): elsewhere a
+      gradient raises, a NotImplementedError with 'cuda' and the CUDA handler's error on GPU
+      with None, rather than fall back to the O(T * S) reference VJP.
     return_residual: also return the logsumexp, (B, N, T) float32 (differentiable); -inf on
       rows that see no key.
 
@@ -313,9 +305,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       raise ValueError("dropout_rng (a jax PRNG key) is required when dropout_rate > 0")
     ops["dropout_seeds"] = dropout_seeds(dropout_rng, B)
 
-  cfg = _resolve(query, value, implementation, scale, bool(is_causal),
-                 _used_variants(ops, window, causal_alignment, softcap, dropout_rate,
-                                deterministic_backward))
+  cfg = _resolve(query, value, implementation, scale, bool(is_causal))
   cfg = dataclasses.replace(cfg, window=window, bottom_right=causal_alignment == "bottom_right",
                             softcap=softcap, dropout_rate=dropout_rate,
                             deterministic=bool(deterministic_backward))
@@ -327,16 +317,6 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   if unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out
-
-
-def _used_variants(ops, window, causal_alignment, softcap, dropout_rate, deterministic):
-  used = [name for name, x in ops.items() if x is not None and name != "dropout_seeds"]
-  used += [name for name, on in (("local_window_size", window is not None),
-                                 ("causal_alignment", causal_alignment != "top_left"),
-                                 ("logits_soft_cap", softcap is not None),
-                                 ("dropout_rate", dropout_rate > 0),
-                                 ("deterministic_backward", deterministic)) if on]
-  return used
 
 
 def _check_bcast(name, x, full, dtype):
@@ -399,8 +379,7 @@ def _check_window(local_window_size):
   return window
 
 
-def _resolve(query, value, implementation, scale, is_causal, variants=()) -> _Config:
-  """`variants`: the names of the options in use that the CUDA backward lacks."""
+def _resolve(query, value, implementation, scale, is_causal) -> _Config:
   cuda_reason = _cuda_support(query, value)
   if implementation == "cpu" and not _ffi.cpu_built():
     raise ValueError(f"implementation='cpu' is not available: the jaxflash extension did not "
@@ -409,14 +388,7 @@ def _resolve(query, value, implementation, scale, is_causal, variants=()) -> _Co
     raise ValueError(f"implementation='cuda' cannot run these inputs: {cuda_reason}")
   cpu = "cpu" if _ffi.cpu_built() else "xla"
   cuda = "xla" if cuda_reason else "cuda"
-  # Pinned to 'cuda', the CUDA backward is kept so that _calls.bwd names what it lacks. At
-  # a head dim it lacks, implementation=None keeps it too, so that a gradient on GPU fails
-  # in its handler rather than fall back to the O(T * S) reference VJP unasked.
-  bwd_head_dims_ok = _calls.cuda_bwd_head_dims_error(query.shape[-1], value.shape[-1]) is None
-  cuda_bwd = ("xla" if cuda == "xla" or (variants and implementation is None and bwd_head_dims_ok)
-              else "cuda")
-  return _Config(scale=scale, is_causal=is_causal, cpu=cpu, cuda=cuda, cuda_bwd=cuda_bwd,
-                 pinned=implementation)
+  return _Config(scale=scale, is_causal=is_causal, cpu=cpu, cuda=cuda, pinned=implementation)
 
 
 def _packed_segment_ids(cu_seqlens, total, pad_id):

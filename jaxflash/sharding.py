@@ -463,9 +463,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
     q_segment_ids = A._check_ids("q_segment_ids", q_segment_ids, query.shape[:2])
     kv_segment_ids = A._check_ids("kv_segment_ids", kv_segment_ids, key.shape[:2])
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-  # No `variants` on purpose: the reference-VJP fallback differentiates a block on its own
-  # softmax, not the global out/lse the ring needs, so where the CUDA backward lacks segment
-  # ids its trace-time error is the right answer.
+  # Each block's backward is the kernel's (CPU or CUDA, segment ids included), fed the global
+  # out/lse.
   cfg = A._resolve(query, value, implementation, scale, False)
   out, lse = _ring(query, key, value, q_segment_ids, kv_segment_ids,
                    _Ring(cfg, bool(is_causal), layout, axis_name))

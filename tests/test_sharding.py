@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxflash
+from common import gpu
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
 
@@ -197,6 +198,24 @@ def test_ring_segment_ids_match_reference(num_shards, is_causal):
   ring = _ring(mesh, "zigzag", is_causal, segment_ids=True)
   got = _ring_run(ring, q, k, v, do, num_shards, "zigzag", 0.25, ids=(ids, ids))
   _check(got, want)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_ring_segment_ids_cuda(is_causal):
+  """On GPUs (as many as there are) each block's backward with segment ids is the CUDA kernel."""
+  devices = jax.devices("gpu")
+  num_shards = len(devices)
+  mesh = jax.make_mesh((num_shards,), ("sp",), axis_types=(AxisType.Auto,), devices=devices)
+  T = 256 * num_shards
+  q, k, v, do = _inputs(80, 2, T, 4, 2, 64, jnp.bfloat16)
+  ids = _documents(8, 2, T, 5)
+  want32 = _ref_and_grads(q, k, v, do, 0.25, is_causal, jnp.float32, q_ids=ids, kv_ids=ids)
+  want_low = _ref_and_grads(q, k, v, do, 0.25, is_causal, q_ids=ids, kv_ids=ids)
+  ring = _ring(mesh, "zigzag", is_causal, segment_ids=True, implementation="cuda")
+  got = _ring_run(ring, q, k, v, do, num_shards, "zigzag", 0.25, ids=(ids, ids))
+  _check(got, want32, want_low, atol=1e-2)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

@@ -3,7 +3,9 @@
 Each case runs the implementation on bf16 inputs and checks out, lse, dq, dk, dv (and dbias,
 dalibi) with the accuracy rule against the reference on float32 copies; the reference on the
 bf16 inputs gives the error bar. Shapes are small, with lengths that are not tile multiples.
-The CUDA cases (GPU only) run the same variants at the head dims the CUDA kernels have.
+The CUDA cases (GPU only) run the same variants at the head dims the CUDA kernels have, in
+bfloat16 and float16, forward and backward (also in deterministic mode), and check that the
+deterministic CUDA backward is bit-identical across runs.
 """
 
 import functools
@@ -46,6 +48,8 @@ def _cases(T, S):
                                            local_window_size=(9, 0), **LENGTHS), {}),
       "window_int": (dict(local_window_size=7), {}),
       "window_pair_causal": (dict(local_window_size=(12, 3), is_causal=True), {}),
+      "segments_causal": (dict(query_segment_ids=_ids(16, T, 4),
+                               key_value_segment_ids=_ids(17, S, 4), is_causal=True), {}),
       "segments_causal_window": (dict(query_segment_ids=_ids(1, T, 3),
                                       key_value_segment_ids=_ids(2, S, 3),
                                       is_causal=True, local_window_size=(20, 20)), {}),
@@ -57,6 +61,11 @@ def _cases(T, S):
       "mask_rank2_causal": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(5), 0.3, (T, S)),
                                  is_causal=True), {}),
       "bias_heads_rows_causal": (dict(is_causal=True), dict(bias=_rand(6, (1, N, T, 1)))),
+      # dbias summed over broadcast batch / heads / query rows (the GPU's fp32 workspace)
+      "bias_heads_causal": (dict(is_causal=True), dict(bias=_rand(18, (1, N, T, S)))),
+      "bias_batch_causal": (dict(is_causal=True), dict(bias=_rand(19, (B, 1, T, S)))),
+      "bias_shared_causal": (dict(is_causal=True), dict(bias=_rand(25, (1, 1, T, S)))),
+      "bias_keys_causal": (dict(is_causal=True), dict(bias=_rand(26, (B, N, 1, S)))),
       "bias_full_mask": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, (B, N, T, S))),
                          dict(bias=_rand(8, (B, N, T, S)))),
       "bias_keys_lengths_f32": (dict(**LENGTHS), dict(bias=_rand(9, (B, 1, 1, S)))),
@@ -103,24 +112,26 @@ def test_variant(impl, case):
 # GPU-sized: T and S span several query and key tiles (64/128 and 16 to 64), with lengths
 # that are not tile multiples.
 GPU_T, GPU_S = 200, 333
-# Every case at H = Hv = 64 and 128 (forward and the reference-VJP backward); the other head
-# dims of the CUDA forward, (H, Hv), run a few cases that use many rules at once.
-GPU_HEAD_DIMS = [(64, 64), (128, 128)]
+# Every case at H = Hv = 64 and 128, forward and backward; the head dims (H, Hv) that only the
+# CUDA forward runs take a few cases that use many rules at once.
 GPU_MORE_HEAD_DIMS = [(32, 32), (96, 96), (192, 192), (256, 256), (192, 128)]
 GPU_MORE_CASES = ["segments_causal_window", "bottom_right_lengths_window", "everything"]
+
+
+GPU_CASES = [c for c in CASES if not c.endswith("f32")]
+GPU_DTYPES = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("case, head_dims, dtype",
-                         [(c, d, DTYPE) for d in GPU_HEAD_DIMS for c in CASES
-                          if not c.endswith("f32")] +
                          [(c, d, t) for d in GPU_MORE_HEAD_DIMS for c in GPU_MORE_CASES
                           for t in (jnp.bfloat16, jnp.float16)],
                          ids=lambda x: ("%dx%d" % x if isinstance(x, tuple) else
                                         x if isinstance(x, str) else jnp.dtype(x).name))
 def test_cuda_forward_variant(case, head_dims, dtype):
-  """implementation='cuda': the CUDA forward runs the variant (out and lse checked)."""
+  """implementation='cuda' at head dims with no CUDA backward: the CUDA forward runs the
+  variant (out and lse checked)."""
   if head_dims[0] not in jaxflash._ffi.cuda_head_dims():
     pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
   _check_case("cuda", case, GPU_T, GPU_S, *head_dims, with_grads=False, dtype=dtype)
@@ -128,14 +139,37 @@ def test_cuda_forward_variant(case, head_dims, dtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("head_dim", [h for h, _ in GPU_HEAD_DIMS])
-@pytest.mark.parametrize("case", [c for c in CASES if not c.endswith("f32")])
-def test_cuda_default_variant_with_reference_vjp(case, head_dim):
-  """implementation=None on GPU: the CUDA forward and the reference VJP for the backward."""
-  _check_case(None, case, GPU_T, GPU_S, head_dim, head_dim, device="cuda")
+@GPU_DTYPES
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_cuda_variant(case, head_dim, dtype):
+  """implementation='cuda': the CUDA forward and backward run the variant (out, lse, dq, dk,
+  dv, dbias, dalibi checked)."""
+  _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, dtype=dtype)
 
 
-def _check_case(impl, case, T, S, H, HV, with_grads=True, device=None, dtype=DTYPE):
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", ["lengths_causal", "segments_causal_window", "softcap_alibi",
+                                  "bias_heads_causal", "bias_keys_causal",
+                                  "bias_heads_rows_causal", "bias_full_mask", "everything"])
+def test_cuda_deterministic_variant(case, head_dim):
+  """deterministic_backward=True: the ordered dQ sums and the dbias kernel of a broadcast bias
+  give the reference's gradients too."""
+  _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, deterministic=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["segments_causal", "bias_shared_causal", "everything"])
+def test_cuda_default_implementation_runs_variant_backward(case):
+  """implementation=None on GPU: the CUDA forward and the CUDA backward (no reference VJP)."""
+  _check_case(None, case, GPU_T, GPU_S, 64, 64, device="cuda")
+
+
+def _check_case(impl, case, T, S, H, HV, with_grads=True, device=None, dtype=DTYPE,
+                deterministic=False):
   static, diff = _cases(T, S)[case]
   q = _rand(20, (B, T, N, H), dtype)
   k = _rand(21, (B, S, K, H), dtype)
@@ -147,8 +181,8 @@ def _check_case(impl, case, T, S, H, HV, with_grads=True, device=None, dtype=DTY
   dtype = q.dtype.type  # the scalar type keys common.ATOL
 
   def impl_fn(q, k, v, diff):
-    return jaxflash.attention(q, k, v, implementation=impl, return_residual=True, **static,
-                              **diff)
+    return jaxflash.attention(q, k, v, implementation=impl, return_residual=True,
+                              deterministic_backward=deterministic, **static, **diff)
 
   def ref_fn(q, k, v, diff):
     kw = dict(static, **diff)
@@ -167,9 +201,9 @@ def _check_case(impl, case, T, S, H, HV, with_grads=True, device=None, dtype=DTY
     else:
       run = jax.jit(lambda *a: impl_fn(*a[:4]))
       out, lse = run(*args)
-    if device == "cuda" or impl == "cuda":  # the variant really reached the CUDA forward
+    if device == "cuda" or impl == "cuda":  # the variant really reached the CUDA kernels
       hlo = run.lower(*args).as_text()
-      assert "jaxflash_fwd_cuda" in hlo and "jaxflash_bwd_cuda" not in hlo
+      assert "jaxflash_fwd_cuda" in hlo and ("jaxflash_bwd_cuda" in hlo) == with_grads
   (r_out, r_lse), r_grads = _loss_and_grads(ref_fn, *_cast((q, k, v, diff), jnp.float32),
                                             dout, dlse)
   (l_out, l_lse), l_grads = _loss_and_grads(ref_fn, q, k, v, _cast(diff, dtype), dout, dlse)
@@ -186,24 +220,27 @@ def _check_case(impl, case, T, S, H, HV, with_grads=True, device=None, dtype=DTY
     assert_accurate(name, g, r, lo, dtype)
 
 
-@pytest.mark.parametrize("impl", ["cpu"])
+@pytest.mark.parametrize("impl", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
 def test_fully_masked_rows(impl):
   """Rows past a length of 0 or with an all-False mask row: out 0, lse -inf, grads 0, no NaN."""
-  q = _rand(30, (B, T, N, H))
-  k = _rand(31, (B, S, K, H))
-  v = _rand(32, (B, S, K, HV))
+  h, hv, dtype = (64, 64, jnp.bfloat16) if impl == "cuda" else (H, HV, jnp.float32)
+  q = _rand(30, (B, T, N, h), dtype)
+  k = _rand(31, (B, S, K, h), dtype)
+  v = _rand(32, (B, S, K, hv), dtype)
   mask = jnp.ones((1, 1, T, S), bool).at[..., 5, :].set(False)
   kw = dict(query_seq_lengths=jnp.array([T, 10], jnp.int32),
             key_value_seq_lengths=jnp.array([0, S], jnp.int32), mask=mask, is_causal=True)
-  bias = _rand(33, (B, N, T, S))
+  bias = _rand(33, (B, N, T, S), dtype)
 
   def loss(q, k, v, bias):
     out, lse = jaxflash.attention(q, k, v, bias, implementation=impl, return_residual=True,
                                   **kw)
-    return jnp.sum(out) + jnp.sum(jnp.where(jnp.isinf(lse), 0.0, lse)), (out, lse)
+    return (jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isinf(lse), 0.0, lse)),
+            (out, lse))
 
-  (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
-      q, k, v, bias)
+  with on_device(impl):
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
+        q, k, v, bias)
   dq, dk, dv, dbias = grads
   for x in (out, dq, dk, dv, dbias):
     assert not jnp.isnan(x).any()
@@ -277,16 +314,37 @@ def test_dropout_mask_properties():
   assert not jnp.allclose(out0, run(jax.random.key(4)))
 
 
-def test_deterministic_backward_is_bit_identical():
-  q, k, v = _rand(60, (B, T, N, H)), _rand(61, (B, S, K, H)), _rand(62, (B, S, K, HV))
-  bias = _rand(63, (1, 1, T, S))
-  loss = lambda q, k, v, bias: jnp.sum(jaxflash.attention(
-      q, k, v, bias, is_causal=True, implementation="cpu", deterministic_backward=True) ** 2)
-  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-  first = grad(q, k, v, bias)
-  for _ in range(3):
-    for a, b in zip(first, grad(q, k, v, bias)):
-      assert (np.asarray(a).view(np.uint32) == np.asarray(b).view(np.uint32)).all()
+@pytest.mark.parametrize("impl", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+@pytest.mark.parametrize("case", ["causal", "bias_shared_alibi_segments", "bias_full_dropout_window"])
+def test_deterministic_backward_is_bit_identical(impl, case):
+  """deterministic_backward=True: the jitted grad twice gives the same bits. On GPU the inputs
+  are large enough (S = 2048 keys in 16 key tiles, 8 heads) that atomics would race."""
+  t, s, n, h, dtype = (1024, 2048, 8, 64, jnp.bfloat16) if impl == "cuda" else (T, S, N, H, jnp.float32)
+  q, k, v = _rand(60, (B, t, n, h), dtype), _rand(61, (B, s, 2, h), dtype), _rand(62, (B, s, 2, h), dtype)
+  static, diff = {
+      "causal": (dict(is_causal=True), {}),
+      "bias_shared_alibi_segments": (
+          dict(is_causal=True, query_segment_ids=_ids(64, t, 3), key_value_segment_ids=_ids(65, s, 3)),
+          dict(bias=_rand(63, (1, 1, t, s), dtype), alibi_slopes=jnp.abs(_rand(66, (n,))))),
+      "bias_full_dropout_window": (
+          dict(local_window_size=(300, 40), dropout_rate=0.1, dropout_rng=jax.random.key(67)),
+          dict(bias=_rand(68, (B, n, t, s), dtype))),
+  }[case]
+  dout = _rand(69, (B, t, n, h))
+
+  def loss(q, k, v, diff):
+    out = jaxflash.attention(q, k, v, implementation=impl, deterministic_backward=True,
+                             **static, **diff)
+    return jnp.sum(out.astype(jnp.float32) * dout)
+
+  with on_device(impl):
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    first = jax.tree.leaves(grad(q, k, v, diff))
+    for _ in range(3):
+      for a, b in zip(first, jax.tree.leaves(grad(q, k, v, diff))):
+        a, b = np.asarray(a), np.asarray(b)
+        assert (a.view(np.uint8) == b.view(np.uint8)).all()
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in first)
 
 
 def test_numeric_mask_attends_where_nonzero():
@@ -327,36 +385,29 @@ def test_invalid_arguments(impl, kwargs, match):
     jaxflash.attention(*_qkv(), implementation=impl, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(bias=jnp.ones((1, 1, T, S))), "bias"),
-    (dict(local_window_size=3), "local_window_size"),
-    (dict(causal_alignment="bottom_right"), "causal_alignment"),
-    (dict(logits_soft_cap=2.0), "logits_soft_cap"),
-    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate"),
-    (dict(deterministic_backward=True), "deterministic_backward"),
+@pytest.mark.parametrize("kwargs, attr", [
+    (dict(bias=jnp.ones((1, 1, T, S))), "('has_bias', True)"),
+    (dict(local_window_size=3), "('window_left', np.int64(3))"),
+    (dict(causal_alignment="bottom_right"), "('bottom_right', True)"),
+    (dict(logits_soft_cap=2.0), "('softcap', np.float32(2.0))"),
+    (dict(dropout_rate=0.25, dropout_rng=jax.random.key(0)), "('dropout_rate', np.float32(0.25))"),
+    (dict(deterministic_backward=True), "('deterministic', True)"),
 ])
-def test_cuda_routing_of_variants(monkeypatch, kwargs, name):
-  """Where the CUDA kernels would run: implementation='cuda' traces the CUDA forward with the
-  variant, and its backward raises a ValueError naming it; implementation=None pairs the
-  CUDA forward with the reference VJP on GPU."""
+@pytest.mark.parametrize("impl", [None, "cuda"])
+def test_cuda_routing_of_variants(monkeypatch, impl, kwargs, attr):
+  """Where the CUDA kernels would run, implementation='cuda' and None differentiate a variant
+  call with the CUDA backward kernel (no reference VJP), handing it the variant."""
   monkeypatch.setattr(attention_mod._ffi, "cuda_built", lambda: True)
   monkeypatch.setattr(attention_mod._ffi, "cuda_head_dims", lambda: (H,))
   monkeypatch.setattr(attention_mod._ffi, "cuda_bwd_head_dims", lambda: (H,))
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
   v = jnp.concatenate([v, v[..., : H - HV]], axis=-1)  # equal head dims, as CUDA needs
-  fwd = lambda q: jaxflash.attention(q, k, v, implementation="cuda", **kwargs)
-  assert "jaxflash_fwd_cuda" in str(jax.make_jaxpr(fwd)(q))  # traced only: no GPU here
-  with pytest.raises(ValueError, match=name):
-    jax.make_jaxpr(jax.grad(lambda q: jnp.sum(fwd(q).astype(jnp.float32))))(q)
-  seen = []
-  real = attention_mod._flash
-  monkeypatch.setattr(attention_mod, "_flash",
-                      lambda q, k, v, ops, cfg: seen.append(cfg) or real(q, k, v, ops, cfg))
-  jaxflash.attention(q, k, v, **kwargs)
-  assert (seen[0].cuda, seen[0].cuda_bwd, seen[0].cpu) == ("cuda", "xla", "cpu")
-  seen.clear()
-  jaxflash.attention(q, k, v)
-  assert (seen[0].cuda, seen[0].cuda_bwd) == ("cuda", "cuda")
+  loss = lambda q: jnp.sum(jaxflash.attention(q, k, v, implementation=impl, **kwargs)
+                           .astype(jnp.float32))
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss))(q))  # traced only: no GPU here
+  assert "jaxflash_fwd_cuda" in jaxpr
+  call = jaxpr.index("target_name=jaxflash_bwd_cuda")
+  assert attr in jaxpr[jaxpr.rindex("attributes=", 0, call):call]
 
 
 @pytest.mark.parametrize("impl", CPU_IMPLEMENTATIONS)

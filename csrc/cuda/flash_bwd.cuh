@@ -8,15 +8,24 @@
 //   S = Q K^T, P = exp2(S * scale_log2 - lse * log2e), dP = dO V^T, dS = P * (dP - delta),
 //   dQ += dS K, dV += P^T dO, dK += dS^T Q;
 //   the softmax scale is applied to dK at the end and to dQ in the convert kernel.
+// Variants (bias, mask, lengths, segment ids, window, alignment, soft cap, ALiBi, dropout) and
+// the deterministic mode live in a second instantiation of the main kernel, kVariants, chosen
+// at launch, so that the tuned plain kernel keeps its registers. It applies the forward's rules
+// (FwdVariants::logits) to its S fragments, visits per key tile only the query tiles that can
+// see it, and with Z the logits (after cap, bias, ALiBi) and keep the dropout factor computes
+//   dV += (P keep)^T dO, dZ = P * (dP keep - delta), dbias = dZ, dalibi = -sum dZ |s - t - shift|,
+//   dS = dZ * cap'(.), dQ += dS K, dK += dS^T Q.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
+#include "flash_fwd.cuh"
 #include "launch.h"
 #include "mma.cuh"
 
@@ -42,8 +51,8 @@ namespace bwd {
 //  both under the A100's 163 KB.
 template <int kHeadDim>
 struct Tiles {
-  static constexpr int kBlockN = 128;                        // keys per CTA
-  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // queries per step
+  static constexpr int kBlockN = kBwdBlockN;                // keys per CTA: 128
+  static constexpr int kBlockM = bwd_block_m(kHeadDim);     // queries per step: 128 | 64
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMiS = kBlockM / 2 / 16;         // S, dP: m16 tiles per warp
@@ -280,8 +289,200 @@ struct Thread {
       : warp(tid / 32), lane(tid % 32), g(tid % 32 / 4), tq(tid % 4) {}
 };
 
-template <typename T, int kHeadDim, bool kCausal>
+__device__ __forceinline__ void sts_u16(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"(v));
+}
+
+__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ int ld_acquire(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// A length operand clamped to [0, full] (lengths past the array mean the whole of it).
+__device__ __forceinline__ int64_t valid_len(const int32_t* lengths, int64_t b, int64_t full) {
+  return lengths ? max(int64_t{0}, min(int64_t{lengths[b]}, full)) : full;
+}
+
+// Min and max of ids[begin, end), reduced over the warp; (INT_MAX, INT_MIN) when empty.
+__device__ __forceinline__ int2 seg_id_range(const int32_t* ids, int begin, int end, int lane) {
+  int lo = INT_MAX, hi = INT_MIN;
+  for (int i = begin + lane; i < end; i += 32) {
+    lo = min(lo, ids[i]);
+    hi = max(hi, ids[i]);
+  }
+  return make_int2(__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi));
+}
+
+// Two tiles whose segment id ranges are disjoint share no id: no query sees a key.
+__device__ __forceinline__ bool seg_meet(int2 a, int2 b) { return a.y >= b.x && a.x <= b.y; }
+
+// Segment ids of the valid keys [n0, min(n0 + N, kv_len)) of a key tile of batch b: the CTA of
+// the tile and the deterministic ranks of the other CTAs (kv_seg_range) read the same ids.
+template <int N>
+__device__ __forceinline__ int2 key_tile_seg(const BwdParams& p, int64_t b, int n0, int lane) {
+  const int64_t kv_len = valid_len(p.kv_lengths, b, p.s);
+  const int end = static_cast<int>(max(int64_t{n0}, min(int64_t{n0} + N, kv_len)));
+  return seg_id_range(p.kv_segment_ids + b * p.s, n0, end, lane);
+}
+
+// The variant kernel's view of its CTA (batch b, key tile at n0), in shared memory (written by
+// warp 0): the query tiles [m_first, m_first + n_m) holding a query that sees a key of the
+// tile through lengths, causal and window (the CPU kernel's query_range, tile by tile; exactly
+// the query tiles whose FwdVariants key range meets this tile), and the keys' segment ids.
+template <int M, int N>
+struct KeyTile {
+  int m_first, n_m;
+  int q_len;    // valid query rows of batch b
+  int2 kv_seg;  // segment id range of the tile's valid keys
+
+  __device__ void init(const BwdParams& p, int64_t b, int n0, int lane) {
+    const int64_t q_raw = p.q_lengths ? p.q_lengths[b] : p.t;
+    const int64_t kv_raw = p.kv_lengths ? p.kv_lengths[b] : p.s;
+    const int64_t kv_len = valid_len(p.kv_lengths, b, p.s);
+    q_len = static_cast<int>(valid_len(p.q_lengths, b, p.t));
+    const int64_t shift = p.bottom_right ? kv_raw - q_raw : 0;
+    const int64_t wl = min(p.window_left, int64_t{1} << 31);  // keeps the sums in int64
+    const int64_t wr = min(p.window_right, int64_t{1} << 31);
+    const int64_t last = min(int64_t{n0} + N, kv_len) - 1;  // last valid key of the tile
+    int64_t lo = 0, hi = last < n0 ? 0 : q_len;
+    if (p.is_causal) lo = max(lo, n0 - shift);
+    if (wr >= 0) lo = max(lo, n0 - shift - wr);
+    if (wl >= 0) hi = min(hi, last - shift + wl + 1);
+    m_first = lo < hi ? static_cast<int>(lo / M) : 0;
+    n_m = lo < hi ? static_cast<int>((hi + M - 1) / M) - m_first : 0;
+    if (p.q_segment_ids) kv_seg = key_tile_seg<N>(p, b, n0, lane);
+  }
+
+  // The first step at or after st (of iters; step = head * n_m + query tile) whose query
+  // tile's segment ids can meet the keys'. Query tiles repeat per head: a round of n_m dead
+  // steps means that every later one is dead too. Every warp computes the same answer.
+  __device__ int next_live(const BwdParams& p, int64_t b, int st, int iters, int lane) const {
+    if (!p.q_segment_ids) return st;
+    const int32_t* q_seg = p.q_segment_ids + b * p.t;
+    for (int k = 0; k < n_m && st < iters; ++k, ++st) {
+      const int m0 = (m_first + st % n_m) * M;
+      if (seg_meet(seg_id_range(q_seg, m0, min(m0 + M, q_len), lane), kv_seg)) return st;
+    }
+    return iters;
+  }
+};
+
+// dZ = P * (dP keep - delta) of one element, from P signed as the variant kernels keep it:
+// negative where dropout drops the element (keep 0), else kept (keep = keep_scale, 1 without
+// dropout).
+__device__ __forceinline__ float dz_of(float p_signed, float dp, float keep_scale, float dl) {
+  return fabsf(p_signed) * (dp * (signbit(p_signed) ? 0.f : keep_scale) - dl);
+}
+
+// Deterministic dQ: the CTAs of the key tiles that a query tile's FwdVariants v sees, from its
+// first one (v.key_lo / N) on, add to its dq_accum rows one after the other. The rank of key
+// tile j is the number of such tiles before it that the segment ids leave live (the same test
+// as KeyTile::next_live, from the ids' ranges in kv_seg_range). Warp-wide.
+template <typename T, int M, int N>
+__device__ int dq_rank(const BwdParams& p, const FwdVariants<T, M, N>& v, int64_t b, int j,
+                       int n_key_tiles, int lane) {
+  const int j_lo = v.key_lo / N;
+  if (!p.q_segment_ids) return j - j_lo;
+  const int2 q_seg = make_int2(v.q_seg_min, v.q_seg_max);
+  int live = 0;
+  for (int jj = j_lo + lane; jj < j; jj += 32) {
+    const int* r = p.kv_seg_range + (b * n_key_tiles + jj) * 2;
+    live += seg_meet(make_int2(r[0], r[1]), q_seg);
+  }
+  return __reduce_add_sync(0xffffffffu, live);
+}
+
+// dbias from one warp's (16 kMi, 32) block of dZ in the S fragment layout: element c of tile
+// (i, j) is block row 16 i + 8 (c / 2) + g, key 8 j + 2 tq + c % 2; the block's bias element
+// (row r, key k) is at r * row + k * col from `base` (dbias has the bias's layout). A bias
+// with no broadcast dim gets each element written once. Otherwise dZ is summed into the fp32
+// dbias_accum, first over the block's rows and/or keys where the bias broadcasts over them,
+// so that one atomic carries a row or a column; exact zeros (masked) are not added.
+template <typename T, int kMi>
+__device__ void dbias_block(const BwdParams& p, const float (&dz)[kMi][4][4], int64_t base,
+                            int rows_left, int keys_left, int g, int tq) {
+  const BcastStrides& st = p.bias_strides;
+  // f(dz, i, j, c, r, k) for every element of the block that exists (none past T or S).
+  const auto each = [&](auto&& f) {
+#pragma unroll
+    for (int i = 0; i < kMi; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = 16 * i + 8 * (c / 2) + g, k = 8 * j + 2 * tq + c % 2;
+          if (r < rows_left && k < keys_left) f(dz[i][j][c], i, j, c, r, k);
+        }
+  };
+  if (!p.dbias_accum) {
+    T* dst = static_cast<T*>(p.dbias) + base;
+    each([&](float x, int, int, int, int r, int k) {
+      dst[r * st.row + k * st.col] = static_cast<T>(x);
+    });
+    return;
+  }
+  float* acc = p.dbias_accum + base;
+  if (st.row == 0) {  // one bias row: sum the block's rows (over i, c / 2, then the 8 g lanes)
+    float col_sum[4][2] = {};
+    each([&](float x, int, int j, int c, int, int) { col_sum[j][c % 2] += x; });
+    float all = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = col_sum[j][e];
+        for (int off = 4; off < 32; off *= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+        col_sum[j][e] = x;
+        all += x;
+      }
+    if (st.col == 0) {  // one bias element: also sum the keys (over j, e, then the 4 tq lanes)
+      all += __shfl_xor_sync(0xffffffffu, all, 1);
+      all += __shfl_xor_sync(0xffffffffu, all, 2);
+      if (g == 0 && tq == 0 && all != 0.f) atomicAdd(acc, all);
+      return;
+    }
+    if (g == 0)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int k = 8 * j + 2 * tq + e;
+          if (k < keys_left && col_sum[j][e] != 0.f) atomicAdd(acc + k * st.col, col_sum[j][e]);
+        }
+    return;
+  }
+  if (st.col == 0) {  // one bias column: sum the block's keys (over j, c % 2, then the 4 tq lanes)
+    float row_sum[kMi][2] = {};
+    each([&](float x, int i, int, int c, int, int) { row_sum[i][c / 2] += x; });
+#pragma unroll
+    for (int i = 0; i < kMi; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float x = row_sum[i][h];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        const int r = 16 * i + 8 * h + g;
+        if (tq == 0 && r < rows_left && x != 0.f) atomicAdd(acc + r * st.row, x);
+      }
+    return;
+  }
+  each([&](float x, int, int, int, int r, int k) {
+    if (x != 0.f) atomicAdd(acc + r * st.row + k * st.col, x);
+  });
+}
+
+// kVariants: the variant rules of p apply, causal included (kCausal is false), and so does
+// p.deterministic.
+template <typename T, int kHeadDim, bool kCausal, bool kVariants>
 __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(const BwdParams p) {
+  static_assert(!(kCausal && kVariants), "the variant kernel reads is_causal from p");
   using Cfg = Tiles<kHeadDim>;
   constexpr int D = kHeadDim, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kMi = Cfg::kMiS, kNjKV = Cfg::kNjKV;
@@ -313,10 +514,29 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   const int G = static_cast<int>(p.n / p.kh);  // query heads per kv head (group() is host-only)
   const int n0 = key_tile * N;
 
-  // Causal: query tiles whose rows all precede key n0 see nothing of this tile.
-  const int m_first = kCausal ? n0 / M : 0;
-  const int n_m = max(0, (seq_t + M - 1) / M - m_first);
+  // Causal: query tiles whose rows all precede key n0 see nothing of this tile. With variants,
+  // the query tiles of KeyTile, and of those only the steps that next_live finds.
+  int m_first = kCausal ? n0 / M : 0;
+  int n_m = max(0, (seq_t + M - 1) / M - m_first);
+  __shared__ std::conditional_t<kVariants, KeyTile<M, N>, NoVariants> kt;
+  if constexpr (kVariants) {
+    if (tid < 32) kt.init(p, b, n0, tid);
+    __syncthreads();
+    m_first = kt.m_first;
+    n_m = kt.n_m;
+  }
   const int iters = static_cast<int>(G) * n_m;  // (query head, query tile) pairs
+  // The rules of the current step's (head, query tile) and of the next one, written by warp 0
+  // (it reads their operands from global memory once per step) and published by the barrier
+  // at the top of the step; a dalibi partial per warp.
+  __shared__ std::conditional_t<kVariants, FwdVariants<T, M, N>, NoVariants> vs[2];
+  __shared__ float sAlibi[kVariants ? Cfg::kWarps : 1];
+  int cur = 0;  // variants: the current step
+  if constexpr (kVariants) {
+    cur = kt.next_live(p, b, 0, iters, tid % 32);
+    if (tid < 32 && cur < iters)
+      vs[0].init(p, b, kh * G + cur / n_m, (m_first + cur % n_m) * M, tid);
+  }
 
   const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + kh * p.k_head_stride +
                 n0 * p.k_row_stride;  // (N, D)
@@ -352,7 +572,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
     }
   };
 
-  if (iters > 0) {
+  if (cur < iters) {
 #pragma unroll
     for (int k = 0; k < N * kChunks / kThreads; ++k) {
       const int i = tid + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
@@ -370,15 +590,21 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   //  dQ: (32, 32) at (warp % kWarpsMdQ * 32, warp / kWarpsMdQ * 32).
   float acc_dk[2][kNjKV][4] = {};  // the warp's (32, D / 2) block of dK
   float acc_dv[2][kNjKV][4] = {};  // (32, D / 2) of dV
+  float dslope = 0.f;              // variants: this thread's share of dalibi of the current head
 
-  for (int it = 0; it < iters; ++it) {
+  for (int it = 0; kVariants ? cur < iters : it < iters; ++it) {
     const int buf = it & 1;
     // Step `it` has landed, and every warp is done with step it - 1 (sP, sdS are free).
     cp_async_wait<0>();
     __syncthreads();
 
-    const int n = kh * G + it / n_m;
-    const int m0 = (m_first + it % n_m) * M;
+    const int st = kVariants ? cur : it;  // the step: (query head, query tile)
+    const int n = kh * G + st / n_m;
+    const int m0 = (m_first + st % n_m) * M;
+    int next = st + 1;
+    if constexpr (kVariants) next = kt.next_live(p, b, next, iters, tid % 32);
+    // The last step of head n in this CTA hands on its dalibi.
+    const bool head_done = next >= iters || next / n_m != st / n_m;
     const uint32_t aQt = aQ + buf * M * D * 2, adOt = adO + buf * M * D * 2;  // (M, D) tiles
     const bool need_mask = (kCausal && m0 < n0 + N - 1) || m0 + M > seq_t || n0 + N > seq_s;
     const float* tLse = sLse + buf * M;
@@ -400,7 +626,42 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       // the dK, dV accumulators the kernel spilled; fp16 keeps 11 bits of P <= 1, which dS
       // rounded to T does not need more of). lse == -inf (no visible key) becomes +inf: P = 0.
       uint32_t rP[kMi][4][2];
-      {
+      if constexpr (kVariants) {
+        // Logits by the forward's rules (log2 units, -inf where invisible), P, and P keep to sP;
+        // rP holds P with the sign bit set where dropout drops it, for dZ. The soft cap's
+        // derivative waits as fp16 in this thread's own slots of sdS until dS replaces it.
+        const FwdVariants<T, M, N>& v = vs[buf];
+        float acc_s[kMi][4][4] = {};
+        gemm_abt<T, kMi, D, D>(acc_s, aQt + s_q0 * D * 2, aK + s_k0 * D * 2, offA, offB);
+        v.logits(p, acc_s, n0 + s_k0, s_q0, g, tq, [&](int i, int j, int c, float dcap) {
+          sts_u16(adS + st_row + (16 * i + 8 * (c / 2)) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4) +
+                      2 * (c % 2),
+                  __half_as_ushort(__float2half_rn(dcap)));
+        });
+#pragma unroll
+        for (int i = 0; i < kMi; ++i) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int qr = s_q0 + 16 * i + 8 * h + g;
+            const float lse = tLse[qr];
+            const float lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+            const uint32_t row_hash = p.dropout_seeds ? v.drop_row(qr) : 0u;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              float pv[2], keep[2];
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                pv[c] = exp2_fast(acc_s[i][j][2 * h + c] - lse_log2);
+                keep[c] = p.dropout_seeds ? v.keep(p, row_hash, n0 + s_k0 + 8 * j + 2 * tq + c) : 1.f;
+              }
+              const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
+              sts_u32(aP + at, pack2<T>(pv[0] * keep[0], pv[1] * keep[1]));
+              rP[i][j][h] = pack2<__half>(keep[0] == 0.f ? -pv[0] : pv[0],
+                                          keep[1] == 0.f ? -pv[1] : pv[1]);
+            }
+          }
+        }
+      } else {
         float acc_s[kMi][4][4] = {};
         gemm_abt<T, kMi, D, D>(acc_s, aQt + s_q0 * D * 2, aK + s_k0 * D * 2, offA, offB);
 #pragma unroll
@@ -431,7 +692,54 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       }
       // dP = dO V^T: (M / 2, 32) per warp; dS = P * (dP - delta) to sdS as T. Masked P are
       // 0, and so are their dS (dP, delta are finite: padded rows are zero-filled).
-      {
+      if constexpr (kVariants) {
+        // dZ = P * (dP keep - delta) in place of dP; dS = dZ * cap' to sdS; dZ feeds dalibi
+        // (d Z / d slope = -|s - t - shift| = -|key - row - diag| in tile terms, as in logits)
+        // and dbias.
+        const FwdVariants<T, M, N>& v = vs[buf];
+        float acc_dp[kMi][4][4] = {};
+        gemm_abt<T, kMi, D, D>(acc_dp, adOt + s_q0 * D * 2, aV + s_k0 * D * 2, offA, offB);
+        const int diag = clamp_diag(int64_t{m0} - (n0 + s_k0) + v.shift);
+#pragma unroll
+        for (int i = 0; i < kMi; ++i) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int qr = s_q0 + 16 * i + 8 * h + g;
+            const float dl = tDelta[qr];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 pv = __half22float2(*reinterpret_cast<const __half2*>(&rP[i][j][h]));
+              const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
+              float2 cap = make_float2(1.f, 1.f);
+              if (p.softcap > 0.f) {
+                const uint32_t c2 = lds_u32(adS + at);
+                cap = __half22float2(*reinterpret_cast<const __half2*>(&c2));
+              }
+              float ds[2];
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                float& dz = acc_dp[i][j][2 * h + c];
+                dz = dz_of(c ? pv.y : pv.x, dz, v.keep_scale, dl);
+                if (p.alibi_slopes)
+                  dslope -= dz * fabsf(static_cast<float>(8 * j + 2 * tq + c - qr - diag));
+                ds[c] = dz * (c ? cap.y : cap.x);
+              }
+              sts_u32(adS + at, pack2<T>(ds[0], ds[1]));
+            }
+          }
+        }
+        if (p.dbias)
+          dbias_block<T, kMi>(p, acc_dp,
+                              (v.bias - static_cast<const T*>(p.bias)) +
+                                  s_q0 * p.bias_strides.row + (n0 + s_k0) * p.bias_strides.col,
+                              seq_t - m0 - s_q0, seq_s - n0 - s_k0, g, tq);
+        if (p.alibi_slopes && head_done) {
+          float x = dslope;
+          for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+          if (th.lane == 0) sAlibi[th.warp] = x;
+          dslope = 0.f;
+        }
+      } else {
         float acc_dp[kMi][4][4] = {};
         gemm_abt<T, kMi, D, D>(acc_dp, adOt + s_q0 * D * 2, aV + s_k0 * D * 2, offA, offB);
 #pragma unroll
@@ -453,9 +761,18 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
     __syncthreads();  // sP, sdS complete; every warp is done with the Q, dO of step it - 1
 
     // Prefetch the next step into the other buffer (last read by step it - 1's dV, dK).
-    if (it + 1 < iters) {
-      load_step(it + 1, buf ^ 1);
+    if (kVariants ? next < iters : it + 1 < iters) {  // the same, in the plain kernel's words
+      load_step(kVariants ? next : it + 1, buf ^ 1);
       cp_async_commit();
+    }
+    if constexpr (kVariants) {
+      if (tid < 32 && next < iters)  // vs[buf ^ 1] was last read by step it - 1
+        vs[buf ^ 1].init(p, b, kh * G + next / n_m, (m_first + next % n_m) * M, tid);
+      if (p.alibi_slopes && head_done && tid == 0) {  // the warps' partials, in a fixed order
+        float x = 0.f;
+        for (int w = 0; w < Cfg::kWarps; ++w) x += sAlibi[w];
+        p.dalibi_accum[(int64_t{b} * p.n + n) * n_key_tiles + key_tile] = x;
+      }
     }
 
     // dQ += dS K: (32, 32) per warp; k runs over the N keys, A = dS from (M, N) storage, B = K
@@ -482,6 +799,21 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
           }
         }
       }
+      // Deterministic: this query tile's earlier key tiles add first (dq_rank), each of them
+      // one add per element, so every element sums in key tile order. CTAs wait only on CTAs
+      // of lower index, which the hardware starts no later than them.
+      int* turn = nullptr;
+      if constexpr (kVariants) {
+        if (p.deterministic) {
+          turn = p.dq_turn + (int64_t{b} * p.n + n) * ((seq_t + M - 1) / M) + m0 / M;
+          if (th.warp == 0) {
+            const int rank = dq_rank(p, vs[buf], b, key_tile, n_key_tiles, th.lane);
+            if (th.lane == 0)
+              while (ld_acquire(turn) != rank) __nanosleep(64);
+          }
+          __syncthreads();
+        }
+      }
       // dq_accum is contiguous (B, T, N, H); rows past T are not written.
       const int64_t row8 = 8 * p.n * D;  // 8 query rows further
 #pragma unroll
@@ -494,6 +826,15 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
           if (q + 8 < seq_t) atomic_add2(dqa + row8 + j * 8, acc_dq[i][j][2], acc_dq[i][j][3]);
         }
       }
+      if constexpr (kVariants) {
+        if (p.deterministic) {  // every thread's adds, then the next key tile's turn
+          __syncthreads();
+          if (tid == 0) {
+            __threadfence();
+            atomicAdd(turn, 1);
+          }
+        }
+      }
     }
 
     // dV += P^T dO, dK += dS^T Q: (32, D / 2) per warp; k runs over the M queries.
@@ -504,6 +845,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       gemm_atb<T, kNjKV, M, N, D>(acc_dv, aP, adOt, offPt, offKV);
       gemm_atb<T, kNjKV, M, N, D>(acc_dk, adS, aQt, offPt, offKV);
     }
+    if constexpr (kVariants) cur = next;
   }
 
   // Epilogue: stage dK (scaled), dV as T through sK, sV, then 16-byte stores of the rows < S.
@@ -544,6 +886,218 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   }
 }
 
+// cp.async of a (kRows, D) tile of 16-bit rows (row stride in elements) into the swizzled sX;
+// rows at or past rows_left are zero-filled.
+template <int D, int kRows, int kThreads, typename T>
+__device__ __forceinline__ void load_rows(T* sX, const T* gX, int64_t row_stride, int rows_left,
+                                          int tid) {
+  constexpr int kChunks = D / 8;
+#pragma unroll
+  for (int k = 0; k < kRows * kChunks / kThreads; ++k) {
+    const int i = tid + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
+    const bool ok = row < rows_left;
+    cp_async_16(&sX[swz<D>(row, col)], gX + (ok ? row * row_stride + col : 0), ok);
+  }
+}
+
+// Deterministic dbias of a bias with broadcast dims, where the main kernel's atomics would sum
+// in an order that varies between runs. A CTA owns a tile of dbias, (M | 1, N | 1) elements of
+// one (outer, batch | 1, head | 1), and visits the (b, n, query tile, key tile) blocks that add
+// to it in a fixed order, recomputing P and dP (S = Q K^T, dP = dO V^T; the main kernel leaves
+// dbias alone in this mode). Each thread sums its dZ fragment over the blocks; the CTA then
+// reduces the tile over the broadcast rows and keys through shared memory, in a fixed order.
+// Same tiles and warp layout as the main kernel's S and dP.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) dbias_kernel(const BwdParams p) {
+  using Cfg = Tiles<kHeadDim>;
+  constexpr int D = kHeadDim, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  constexpr int kMi = Cfg::kMiS;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);  // (N, D)
+  T* sV = sK + N * D;                  // (N, D)
+  T* sQ = sV + N * D;                  // (M, D)
+  T* sdO = sQ + M * D;                 // (M, D)
+  float* sLse = reinterpret_cast<float*>(sdO + M * D);  // (M)
+  float* sDelta = sLse + M;                             // (M)
+  float* sAcc = sDelta + M;  // (M, N): the threads' dZ sums, for the final reduction
+  const uint32_t aK = smem_addr(sK), aV = smem_addr(sV), aQ = smem_addr(sQ), adO = smem_addr(sdO);
+
+  const int tid = threadIdx.x;
+  const Thread th(tid);
+  const int g = th.g, tq = th.tq;
+  const int s_q0 = th.warp / 4 * (M / 2), s_k0 = th.warp % 4 * 32;  // the warp's S block
+  const LdsmOffsets<D, Ldsm::kA> offA(th.lane);
+  const LdsmOffsets<D, Ldsm::kB> offB(th.lane);
+  const int seq_t = static_cast<int>(p.t), seq_s = static_cast<int>(p.s);
+  const int q_tiles = (seq_t + M - 1) / M, key_tiles = (seq_s + N - 1) / N;
+  const int G = static_cast<int>(p.n / p.kh);
+
+  // The dbias tile: blockIdx.x enumerates (outer, batch, head, row tile, key tile), each dim
+  // of size 1 where the bias broadcasts (a 0 stride).
+  const BcastStrides& st = p.bias_strides;
+  const int t_tiles = st.row ? q_tiles : 1, s_tiles = st.col ? key_tiles : 1;
+  const int nb = st.batch ? static_cast<int>(p.batch_inner) : 1, nh = st.head ? static_cast<int>(p.n) : 1;
+  int64_t rest = blockIdx.x;
+  const int jt = static_cast<int>(rest % s_tiles);
+  rest /= s_tiles;
+  const int mt = static_cast<int>(rest % t_tiles);
+  rest /= t_tiles;
+  const int hn = static_cast<int>(rest % nh);
+  rest /= nh;
+  const int bb = static_cast<int>(rest % nb);
+  const int64_t ov = rest / nb;
+  // Its contributors: every batch, head, query tile, key tile the bias broadcasts over.
+  const int cb = st.batch ? 1 : static_cast<int>(p.batch_inner), cn = st.head ? 1 : static_cast<int>(p.n);
+  const int cm = st.row ? 1 : q_tiles, cj = st.col ? 1 : key_tiles;
+  const int64_t count = int64_t{cb} * cn * cm * cj;
+
+  __shared__ FwdVariants<T, M, N> vs[2];
+  float acc_db[kMi][4][4] = {};
+  for (int64_t c = 0; c < count; ++c) {
+    const int j = st.col ? jt : static_cast<int>(c % cj);
+    const int m = st.row ? mt : static_cast<int>(c / cj % cm);
+    const int n = st.head ? hn : static_cast<int>(c / (int64_t{cj} * cm) % cn);
+    const int bi = st.batch ? bb : static_cast<int>(c / (int64_t{cj} * cm * cn));
+    const int64_t b = ov * p.batch_inner + bi;
+    const int m0 = m * M, n0 = j * N;
+    // vs[c % 2] was last read in step c - 2, before the barrier that ended step c - 1.
+    FwdVariants<T, M, N>& v = vs[c % 2];
+    if (tid < 32) v.init(p, b, n, m0, tid);
+    __syncthreads();  // v is set; every warp is done with the previous block's tiles
+    bool live = n0 < v.key_hi && n0 + N > v.key_lo;  // the exact key range of the query tile
+    if (live && p.q_segment_ids) {
+      const int* r = p.kv_seg_range + (b * key_tiles + j) * 2;
+      live = seg_meet(make_int2(r[0], r[1]), make_int2(v.q_seg_min, v.q_seg_max));
+    }
+    if (!live) continue;
+    const int64_t kvh = n / G;
+    load_rows<D, N, kThreads>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride +
+                                      kvh * p.k_head_stride + n0 * p.k_row_stride,
+                              p.k_row_stride, seq_s - n0, tid);
+    load_rows<D, N, kThreads>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride +
+                                      kvh * p.v_head_stride + n0 * p.v_row_stride,
+                              p.v_row_stride, seq_s - n0, tid);
+    load_rows<D, M, kThreads>(sQ, static_cast<const T*>(p.q) + b * p.q_batch_stride +
+                                      n * p.q_head_stride + m0 * p.q_row_stride,
+                              p.q_row_stride, seq_t - m0, tid);
+    load_rows<D, M, kThreads>(sdO, static_cast<const T*>(p.dout) + b * p.do_batch_stride +
+                                       n * p.do_head_stride + m0 * p.do_row_stride,
+                              p.do_row_stride, seq_t - m0, tid);
+    if (tid < M) {
+      const int64_t bnt = (b * p.n + n) * p.t + m0;
+      const bool ok = m0 + tid < seq_t;
+      cp_async_4(&sLse[tid], p.lse + bnt + (ok ? tid : 0), ok);
+      cp_async_4(&sDelta[tid], p.delta + bnt + (ok ? tid : 0), ok);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // S -> logits -> P, signed as in the main kernel (negative where dropout drops it).
+    float acc_s[kMi][4][4] = {};
+    gemm_abt<T, kMi, D, D>(acc_s, aQ + s_q0 * D * 2, aK + s_k0 * D * 2, offA, offB);
+    v.logits(p, acc_s, n0 + s_k0, s_q0, g, tq);
+    float acc_dp[kMi][4][4] = {};
+    gemm_abt<T, kMi, D, D>(acc_dp, adO + s_q0 * D * 2, aV + s_k0 * D * 2, offA, offB);
+#pragma unroll
+    for (int i = 0; i < kMi; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int qr = s_q0 + 16 * i + 8 * h + g;
+        const float lse = sLse[qr], dl = sDelta[qr];
+        const float lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+        const uint32_t row_hash = p.dropout_seeds ? v.drop_row(qr) : 0u;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = s_k0 + 8 * jj + 2 * tq + e;
+            const float pv = exp2_fast(acc_s[i][jj][2 * h + e] - lse_log2);
+            const float keep = p.dropout_seeds ? v.keep(p, row_hash, n0 + key) : 1.f;
+            // elements past T or S do not exist (their dZ may be NaN: 0 * (NaN dP))
+            if (m0 + qr < seq_t && n0 + key < seq_s)
+              acc_db[i][jj][2 * h + e] += dz_of(keep == 0.f ? -pv : pv, acc_dp[i][jj][2 * h + e],
+                                                v.keep_scale, dl);
+          }
+      }
+  }
+
+  // Reduce the tile over the broadcast keys (a row sum per query row) and rows, in order.
+#pragma unroll
+  for (int i = 0; i < kMi; ++i)
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        sAcc[(s_q0 + 16 * i + 8 * (e / 2) + g) * N + s_k0 + 8 * jj + 2 * tq + e % 2] = acc_db[i][jj][e];
+  __syncthreads();
+  if (!st.col) {  // row r's sum to sAcc[r, 0]
+    if (tid < M) {
+      float x = 0.f;
+      for (int k = 0; k < N; ++k) x += sAcc[tid * N + k];
+      sAcc[tid * N] = x;
+    }
+    __syncthreads();
+  }
+  const int keys_out = st.col ? N : 1, rows_out = st.row ? M : 1;
+  if (!st.row) {  // key k's sum to sAcc[0, k]
+    if (tid < keys_out) {
+      float x = 0.f;
+      for (int r = 0; r < M; ++r) x += sAcc[r * N + tid];
+      sAcc[tid] = x;
+    }
+    __syncthreads();
+  }
+  const int m0t = mt * M, n0t = jt * N;
+  T* dst = static_cast<T*>(p.dbias) + ov * st.outer + bb * st.batch + hn * st.head +
+           m0t * st.row + n0t * st.col;
+  for (int i = tid; i < rows_out * keys_out; i += kThreads) {
+    const int r = i / keys_out, k = i % keys_out;
+    if (m0t + r < seq_t && n0t + k < seq_s)
+      dst[r * st.row + k * st.col] = static_cast<T>(sAcc[r * N + k]);
+  }
+}
+
+// kv_seg_range[b, j] = key_tile_seg of key tile j, one warp per (b, j).
+template <int N>
+__global__ void __launch_bounds__(256) key_tile_seg_kernel(const BwdParams p, int n_key_tiles) {
+  const int64_t idx = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (idx >= p.b * n_key_tiles) return;  // whole warps
+  const int64_t b = idx / n_key_tiles;
+  const int j = static_cast<int>(idx % n_key_tiles);
+  const int2 r = key_tile_seg<N>(p, b, j * N, threadIdx.x % 32);
+  if (threadIdx.x % 32 == 0) {
+    p.kv_seg_range[2 * idx] = r.x;
+    p.kv_seg_range[2 * idx + 1] = r.y;
+  }
+}
+
+// dbias = dbias_accum, cast to T (both in the bias's layout).
+template <typename T>
+__global__ void __launch_bounds__(256) convert_dbias_kernel(const BwdParams p, int64_t count) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    static_cast<T*>(p.dbias)[i] = static_cast<T>(p.dbias_accum[i]);
+}
+
+// dalibi[b, n] = the sum of dalibi_accum[b, n, :] over the key tiles, in order.
+static __global__ void __launch_bounds__(256) reduce_dalibi_kernel(const BwdParams p, int n_key_tiles) {
+  const int64_t bn = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (bn >= p.b * p.n) return;
+  float x = 0.f;
+  for (int j = 0; j < n_key_tiles; ++j) x += p.dalibi_accum[bn * n_key_tiles + j];
+  p.dalibi[bn] = x;
+}
+
+template <typename Kernel>
+void launch_main(Kernel kernel, const BwdParams& p, int64_t ctas, int threads, int smem,
+                 cudaStream_t stream) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(p);
+}
+
 }  // namespace bwd
 
 template <typename T, int kHeadDim, bool kCausal>
@@ -555,15 +1109,49 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     bwd::preprocess_kernel<T, kHeadDim>
         <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
   // Runs even when T == 0: dK, dV must then come out zero.
-  const int64_t ctas = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN * p.kh * p.b;
-  if (ctas > 0) {
-    auto kernel = bwd::main_kernel<T, kHeadDim, kCausal>;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    kernel<<<static_cast<unsigned>(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const int64_t ctas = key_tiles * p.kh * p.b;
+  const bool variants = live_variant(p) || p.deterministic;
+  const BwdWorkspace w = bwd_workspace(p);
+  if (variants) {
+    // Elements no CTA visits (skipped tiles) keep these zeros; the turns start at 0.
+    if (p.dbias && dbias_direct(p))
+      cudaMemsetAsync(p.dbias, 0, bias_elements(p) * sizeof(T), stream);
+    if (w.dbias_accum) cudaMemsetAsync(p.dbias_accum, 0, w.dbias_accum * sizeof(float), stream);
+    if (w.dalibi_accum) cudaMemsetAsync(p.dalibi_accum, 0, w.dalibi_accum * sizeof(float), stream);
+    if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
+    if (w.kv_seg_range)
+      bwd::key_tile_seg_kernel<Cfg::kBlockN><<<static_cast<unsigned>((p.b * key_tiles + 7) / 8),
+                                               256, 0, stream>>>(p, static_cast<int>(key_tiles));
   }
+  // Deterministic with a broadcast bias: dbias_kernel computes dbias, the main kernel not.
+  const bool dbias_tiles = p.bias && p.deterministic && !dbias_direct(p);
+  BwdParams pm = p;
+  if (dbias_tiles) pm.dbias = nullptr;
+  if (ctas > 0 && variants)
+    bwd::launch_main(bwd::main_kernel<T, kHeadDim, false, true>, pm, ctas, Cfg::kThreads,
+                     Cfg::kSmemBytes, stream);
+  else if (ctas > 0)
+    bwd::launch_main(bwd::main_kernel<T, kHeadDim, kCausal, false>, p, ctas, Cfg::kThreads,
+                     Cfg::kSmemBytes, stream);
   if (rows > 0)
     bwd::convert_dq_kernel<T, kHeadDim>
         <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
+  if (dbias_tiles) {
+    const BcastStrides& st = p.bias_strides;
+    const int64_t tiles = p.b / p.batch_inner * (st.batch ? p.batch_inner : 1) *
+                          (st.head ? p.n : 1) * (st.row ? (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM : 1) *
+                          (st.col ? key_tiles : 1);
+    const int smem = (2 * Cfg::kBlockN + 2 * Cfg::kBlockM) * kHeadDim * 2 +
+                     (2 + Cfg::kBlockN) * Cfg::kBlockM * static_cast<int>(sizeof(float));
+    bwd::launch_main(bwd::dbias_kernel<T, kHeadDim>, p, tiles, Cfg::kThreads, smem, stream);
+  }
+  if (w.dbias_accum)
+    bwd::convert_dbias_kernel<T><<<static_cast<unsigned>(min(w.dbias_accum / 256 + 1, int64_t{4096})),
+                                   256, 0, stream>>>(p, w.dbias_accum);
+  if (w.dalibi_accum)
+    bwd::reduce_dalibi_kernel<<<static_cast<unsigned>((p.b * p.n + 255) / 256), 256, 0, stream>>>(
+        p, static_cast<int>(key_tiles));
 }
 
 }  // namespace jaxflash::cuda

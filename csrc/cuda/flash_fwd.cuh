@@ -193,6 +193,10 @@ __device__ __forceinline__ int clamp_diag(int64_t d) {
   return static_cast<int>(max(int64_t{-(1 << 20)}, min(d, int64_t{1 << 20})));
 }
 
+struct NoCapHook {
+  __device__ void operator()(int, int, int, float) const {}
+};
+
 // The variant rules as one CTA sees them: batch b, head n, query rows [m0, m0 + kBlockM).
 // Per element they are the CPU kernel's Head, in tile-relative coordinates: for tile row r
 // and column c of the key tile at n0, s - (t + shift) = (c - r) - diag with
@@ -291,10 +295,11 @@ struct FwdVariants {
 
   // This thread's S fragment (kMTiles, kNTilesS, 4) of the key tile at n0: raw q.k in, logits
   // in log2 units out, -inf where the key is invisible. Bias and mask are read in place,
-  // only where visible (never past the lengths, hence never past T or S).
-  template <int kMTiles, int kNTilesS>
+  // only where visible (never past the lengths, hence never past T or S). The backward passes
+  // on_cap(mi, nt, c, 1 - tanh^2), the soft cap's derivative at element c of tile (mi, nt).
+  template <int kMTiles, int kNTilesS, typename OnCap = NoCapHook>
   __device__ void logits(const FwdParams& p, float (&acc_s)[kMTiles][kNTilesS][4], int n0,
-                         int warp_row, int g, int tig) const {
+                         int warp_row, int g, int tig, OnCap on_cap = {}) const {
     const int64_t diag64 = int64_t{m0} - n0 + shift;
     int hi_d = 1 << 20, lo_d = -(1 << 20);  // visible: lo_d <= col - row <= hi_d
     if (p.is_causal) hi_d = clamp_diag(diag64);
@@ -321,7 +326,11 @@ struct FwdVariants {
             if (mask)
               vis = vis && mask[row * p.mask_strides.row + (n0 + col) * p.mask_strides.col] != 0;
             float y = x * p.scale;
-            if (p.softcap > 0.f) y = p.softcap * tanhf(y / p.softcap);
+            if (p.softcap > 0.f) {
+              const float th = tanhf(y / p.softcap);
+              on_cap(mi, nt, 2 * h + e, 1.f - th * th);
+              y = p.softcap * th;
+            }
             if (bias && vis)
               y += static_cast<float>(
                   bias[row * p.bias_strides.row + (n0 + col) * p.bias_strides.col]);

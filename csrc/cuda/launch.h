@@ -29,8 +29,42 @@ inline const char* live_variant(const FwdParams& p) {
 template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_fwd(const FwdParams& p, cudaStream_t stream);
 
-// p.delta (B, N, T) and p.dq_accum (B, T, N, H) must point at fp32 device workspace.
-// No variant is supported yet: live_variant(p) must be nullptr.
+// Tiles of the CUDA backward (flash_bwd.cuh Tiles): keys per CTA and queries per step.
+constexpr int kBwdBlockN = 128;
+constexpr int bwd_block_m(int64_t head_dim) { return head_dim == 64 ? 128 : 64; }
+
+// True when every (b, n, t, s) owns its own bias element (no broadcast dim): the backward then
+// writes each dbias element once, with no workspace.
+inline bool dbias_direct(const FwdParams& p) {
+  const BcastStrides& st = p.bias_strides;
+  return (st.batch != 0 || p.batch_inner == 1) && (st.head != 0 || p.n == 1) &&
+         (st.row != 0 || p.t == 1) && (st.col != 0 || p.s == 1);
+}
+
+// Elements of the bias (and of dbias): q's leading dims, then (B|1, N|1, T|1, S|1).
+inline int64_t bias_elements(const FwdParams& p) { return p.bias_strides.outer * (p.b / p.batch_inner); }
+
+// Element counts of the workspaces a backward call needs beyond delta and dq_accum (0: none).
+struct BwdWorkspace {
+  int64_t dbias_accum = 0, dalibi_accum = 0, dq_turn = 0, kv_seg_range = 0;
+};
+
+inline BwdWorkspace bwd_workspace(const BwdParams& p) {
+  BwdWorkspace w;
+  const int64_t key_tiles = (p.s + kBwdBlockN - 1) / kBwdBlockN;
+  const int64_t block_m = bwd_block_m(p.h);
+  // (deterministic: flash_bwd.cuh dbias_kernel sums a broadcast bias's dbias with no atomics)
+  if (p.bias && !dbias_direct(p) && !p.deterministic) w.dbias_accum = bias_elements(p);
+  if (p.alibi_slopes) w.dalibi_accum = p.b * p.n * key_tiles;
+  if (p.deterministic) {
+    w.dq_turn = p.b * p.n * ((p.t + block_m - 1) / block_m);
+    if (p.q_segment_ids) w.kv_seg_range = p.b * key_tiles * 2;
+  }
+  return w;
+}
+
+// p.delta (B, N, T) and p.dq_accum (B, T, N, H) must point at fp32 device workspace, and the
+// fields of bwd_workspace(p) at workspaces of those sizes. Every variant is supported.
 template <typename T, int kHeadDim, bool kCausal>
 void run_bwd(const BwdParams& p, cudaStream_t stream);
 
