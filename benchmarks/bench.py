@@ -87,13 +87,22 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
-def plot(rows, path) -> bool:
+def pyplot():
+  """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
-    print("matplotlib not installed: no plot (re-plot with --plot-only results.json)")
+    print("matplotlib not installed: no plot")
+    return None
+  return plt
+
+
+def plot(rows, path) -> bool:
+  plt = pyplot()
+  if plt is None:
+    print("re-plot elsewhere with --plot-only results.json")
     return False
   dims = sorted({r["D"] for r in rows})
   fig, axes = plt.subplots(len(dims), 2, figsize=(11, 4 * len(dims)), squeeze=False)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
-# (tests, main, bench, bench-quick, sanitize, sanitize-hdims, ...), each logged under $OUT.
+# (tests, main, bench, bench-quick, masked, sharding, sanitize, sanitize-hdims, ...), each
+# logged under $OUT.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
 # jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so.
 set -uo pipefail
@@ -31,6 +32,14 @@ for stage in "$@"; do
         --commit "$COMMIT" --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
     bench) timeout 540 python3 benchmarks/bench.py --out "$OUT" --commit "$COMMIT" \
         --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
+    masked) timeout 480 python3 benchmarks/masked.py --out "$OUT" --commit "$COMMIT" \
+        --results "$OUT/RESULTS.md" --json "$OUT/masked.json" 2>&1 | tee "$OUT/masked.log" \
+        | grep -v "masked \[" ;;
+    # every visible GPU (a multi-GPU kind); the pytest process shares the GPUs with the
+    # multiprocess test's workers, so memory is allocated on demand
+    sharding) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 python3 -m pytest -v -rs \
+        -p no:cacheprovider tests/test_sharding.py tests/test_multiprocess.py 2>&1 \
+        | tee "$OUT/sharding.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|Error|passed|failed" ;;
     profile) timeout 300 ncu --kernel-name regex:'flash_fwd|main_kernel' --launch-skip 2 \
         --launch-count 2 --set full -o "$OUT/prof" python3 benchmarks/profile_kernels.py >"$OUT/ncu.log" 2>&1
         ncu --import "$OUT/prof.ncu-rep" --page details > "$OUT/prof.txt" 2>&1
