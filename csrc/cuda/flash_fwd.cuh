@@ -187,12 +187,6 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
   return x ^ (x >> 15);
 }
 
-// A tile-relative diagonal offset as an int: col - row spans less than a tile, so a bound
-// beyond +-2^20 acts as infinity.
-__device__ __forceinline__ int clamp_diag(int64_t d) {
-  return static_cast<int>(max(int64_t{-(1 << 20)}, min(d, int64_t{1 << 20})));
-}
-
 struct NoCapHook {
   __device__ void operator()(int, int, int, float) const {}
 };

@@ -126,15 +126,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-}  // namespace jaxflash::cuda
-
-// --- Added for the backward kernel (append-only) ---
-namespace jaxflash::cuda {
-
 // 4-byte global->shared copy (fp32 row statistics, not 16-byte aligned); zero-fills when !pred.
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pred) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)),
                "l"(gmem), "r"(pred ? 4 : 0));
+}
+
+// A tile-relative diagonal offset as an int: col - row spans less than a tile, so a bound
+// beyond +-2^20 acts as infinity.
+__device__ __forceinline__ int clamp_diag(int64_t d) {
+  return static_cast<int>(max(int64_t{-(1 << 20)}, min(d, int64_t{1 << 20})));
 }
 
 }  // namespace jaxflash::cuda

@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "../../params.h"
+#include "../launch.h"
 #include "../mma.cuh"
 #include "hopper.cuh"
 #include "wgmma_gen.h"
@@ -36,17 +37,47 @@
 namespace jaxflash::cuda {
 namespace sm90 {
 
-// Key tile widths. Correctness first: 128 for both head dims (FA3 reaches its peak with 176
-// for d128 non-causal and 192 x 128 tiles for d64; Wgmma<176>/<192> exist for that step).
-template <int kHeadDim, bool kCausal>
+// Key tile widths: 176 (d128) and 192 (d64) keys amortise the softmax's reductions and
+// barriers over more work, as in FA3; tiles cut by a diagonal (kMasked: causal or the rules
+// of Rules below) keep 128, so less of each boundary tile is wasted.
+template <int kHeadDim, bool kMasked>
 struct FwdTileSm90 {
-  static constexpr int kBlockN = kCausal ? 128 : (kHeadDim == 128 ? 176 : 192);
+  static constexpr int kBlockN = kMasked ? 128 : (kHeadDim == 128 ? 176 : 192);
 };
 
-template <typename T, int kHeadDim, bool kCausal>
+// The causal, window, length and alignment rules of p (jaxflash/reference.py) for batch b:
+// query t sees key s iff t < q_len, s < kv_len and -wl <= s - t - shift <= hi. Bounds that
+// are off are 2^40 (beyond any key distance, and sums of them stay in int64).
+struct Rules {
+  int q_len, kv_len;
+  int64_t shift, wl, hi;
+
+  __device__ Rules(const FwdParams& p, int64_t b) {
+    constexpr int64_t kOff = int64_t{1} << 40;
+    const int64_t q_raw = p.q_lengths ? p.q_lengths[b] : p.t;
+    const int64_t kv_raw = p.kv_lengths ? p.kv_lengths[b] : p.s;
+    q_len = static_cast<int>(max(int64_t{0}, min(q_raw, p.t)));
+    kv_len = static_cast<int>(max(int64_t{0}, min(kv_raw, p.s)));
+    shift = p.bottom_right ? kv_raw - q_raw : 0;
+    wl = p.window_left >= 0 ? min(p.window_left, kOff) : kOff;
+    hi = p.window_right >= 0 ? min(p.window_right, kOff) : kOff;
+    if (p.is_causal) hi = min(hi, int64_t{0});
+  }
+
+  // Keys [lo, hi) that some query row in [m0, m0 + rows) may see; empty as lo == hi.
+  __device__ int2 key_range(int m0, int rows) const {
+    const int64_t last = int64_t{min(m0 + rows, q_len)} - 1;
+    if (last < m0) return make_int2(0, 0);
+    const int64_t lo = max(int64_t{0}, min(m0 + shift - wl, int64_t{kv_len}));
+    const int64_t end = min(int64_t{kv_len}, last + shift + hi + 1);
+    return make_int2(static_cast<int>(lo), static_cast<int>(max(end, lo)));
+  }
+};
+
+template <typename T, int kHeadDim, bool kMasked>
 struct FwdCfgSm90 {
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
-  static constexpr int kBlockN = FwdTileSm90<kHeadDim, kCausal>::kBlockN;
+  static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked>::kBlockN;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   // 24 + 2 x 240 registers per thread of the 3 warpgroups fit the 64K register file; at entry
@@ -71,13 +102,15 @@ struct FwdCfgSm90 {
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
 };
 
-template <typename T, int kHeadDim, bool kCausal>
+// kRules: the rules of p (Rules: causal, window, lengths, alignment) apply; kCausal is false.
+template <typename T, int kHeadDim, bool kCausal, bool kRules>
 __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_kernel(const FwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
                           const __grid_constant__ CUtensorMap tma_v, int num_m_blocks) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal>;
+  static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal || kRules>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
 
@@ -101,12 +134,18 @@ __global__ void __launch_bounds__(384, 1)
   int m_block = static_cast<int>(blockIdx.x % num_m_blocks);
   const int64_t bn = blockIdx.x / num_m_blocks;  // b * N + n
   const int64_t n = bn % p.n, b = bn / p.n;
-  if (kCausal) m_block = num_m_blocks - 1 - m_block;
+  if (kCausal || (kRules && p.is_causal)) m_block = num_m_blocks - 1 - m_block;
   const int64_t kvh = n / (p.n / p.kh);  // GQA: kv head of query head n
   const int m0 = m_block * kBlockM;
-  // Keys this tile needs: all S, or under causal up to its last row t (s <= t).
-  const int kv_len = kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len;
-  const int n_blocks = (kv_len + kBlockN - 1) / kBlockN;
+  // Key tiles j_lo .. j_lo + n_blocks - 1 hold the keys this tile needs: all S, under causal up
+  // to its last row t (s <= t), under the rules their key range.
+  int j_lo = 0, n_blocks = ((kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len) +
+                            kBlockN - 1) / kBlockN;
+  if constexpr (kRules) {
+    const int2 keys = Rules(p, b).key_range(m0, kBlockM);
+    j_lo = keys.x / kBlockN;
+    n_blocks = keys.y > keys.x ? (keys.y + kBlockN - 1) / kBlockN - j_lo : 0;
+  }
 
   if (tid == 0) {
     mbar_init(bar_q, 1);
@@ -133,7 +172,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
         tma_load_4d(sQ + cb * kBlockM * kRowBytes, &tma_q, bar_q, cb * 64, ci_n, m0, ci_b);
       for (int it = 0; it < n_blocks; ++it) {
-        const int j = n_blocks - 1 - it, s = it % kStages;
+        const int j = j_lo + n_blocks - 1 - it, s = it % kStages;
         // Stage s last held tile it - kStages: wait until both consumers released it.
         if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
         const uint32_t stage = s * Cfg::kKVBytes;
@@ -201,14 +240,32 @@ __global__ void __launch_bounds__(384, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * (it % kStages));
     };
-    // Online softmax of a completed S: keys >= S and under causal keys s > t set to -inf
-    // (only on tiles reaching past S or past this warp's first row), new running max m of the
+    // Online softmax of a completed S: keys >= S and under causal keys s > t (or what the
+    // rules hide) set to -inf, only on tiles that need it, then the new running max m of the
     // log2-scaled logits, l rescaled and P = 2^(S * scale_log2 - m) in place, one FFMA and one
     // exp2 per element (the FP32 and MUFU pipes, not the tensor cores, bound this step);
     // corr = 2^(m_old - m_new) is left for O, which may still be accumulating the previous tile.
     auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
-      const int n0 = (n_blocks - 1 - it) * kBlockN;
-      if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
+      const int n0 = (j_lo + n_blocks - 1 - it) * kBlockN;
+      if constexpr (kRules) {
+        // This warp's rows t = m0 + wr + row (row < 16) see key n0 + col iff row < q_rows,
+        // col < kv_limit and lo_d <= col - row <= hi_d; a tile all of whose elements pass
+        // skips the test.
+        const Rules r(p, b);
+        const int64_t diag = int64_t{m0 + wr} - n0 + r.shift;
+        const int q_rows = r.q_len - (m0 + wr), kv_limit = r.kv_len - n0;
+        if (q_rows < 16 || kv_limit < kBlockN || diag - r.wl > -15 || diag + r.hi < kBlockN - 1) {
+          const int lo_d = clamp_diag(diag - r.wl), hi_d = clamp_diag(diag + r.hi);
+#pragma unroll
+          for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const int col = 8 * i + 2 * tig + c % 2, row = g + 8 * (c / 2);
+              if (row >= q_rows || col >= kv_limit || col - row < lo_d || col - row > hi_d)
+                acc_s[4 * i + c] = -INFINITY;
+            }
+        }
+      } else if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
         const int kv_limit = s_len - n0;  // tile-relative key bound
         const int diag = m0 + wr - n0;    // column col is hidden from warp row r when col - r > diag
 #pragma unroll
@@ -395,23 +452,23 @@ bool encode_btnh(CUtensorMap* map, const void* ptr, int64_t h, int64_t heads, in
 
 }  // namespace sm90
 
-// Launches the sm90 forward on `stream`; false (nothing launched) when the TMA descriptors
-// cannot be built. Preconditions (select.h checks them): a cc 9.x device, p.s > 0, no variant.
-template <typename T, int kHeadDim, bool kCausal>
-bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = sm90::FwdCfgSm90<T, kHeadDim, kCausal>;
+namespace sm90 {
+
+template <typename T, int kHeadDim, bool kCausal, bool kRules>
+bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal || kRules>;
   CUtensorMap tma_q, tma_k, tma_v;
-  if (!sm90::encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
-                            p.q_batch_stride, Cfg::kBlockM) ||
-      !sm90::encode_btnh<T>(&tma_k, p.k, p.h, p.kh, p.s, p.b, p.k_head_stride, p.k_row_stride,
-                            p.k_batch_stride, Cfg::kBlockN) ||
-      !sm90::encode_btnh<T>(&tma_v, p.v, p.hv, p.kh, p.s, p.b, p.v_head_stride, p.v_row_stride,
-                            p.v_batch_stride, Cfg::kBlockN))
+  if (!encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
+                      p.q_batch_stride, Cfg::kBlockM) ||
+      !encode_btnh<T>(&tma_k, p.k, p.h, p.kh, p.s, p.b, p.k_head_stride, p.k_row_stride,
+                      p.k_batch_stride, Cfg::kBlockN) ||
+      !encode_btnh<T>(&tma_v, p.v, p.hv, p.kh, p.s, p.b, p.v_head_stride, p.v_row_stride,
+                      p.v_batch_stride, Cfg::kBlockN))
     return false;
   const int64_t num_m_blocks = (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const int64_t grid = num_m_blocks * p.n * p.b;  // < 2^31 for anything that fits in memory
   if (grid == 0) return true;
-  auto kernel = sm90::flash_fwd_sm90_kernel<T, kHeadDim, kCausal>;
+  auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules>;
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) != cudaSuccess)
@@ -419,6 +476,17 @@ bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
       p, tma_q, tma_k, tma_v, static_cast<int>(num_m_blocks));
   return true;
+}
+
+}  // namespace sm90
+
+// Launches the sm90 forward on `stream`; false (nothing launched) when the TMA descriptors
+// cannot be built. Preconditions (select.h checks them): a cc 9.x device, p.s > 0, no variant
+// but the rules (Rules). The rules kernel covers causal too, so each file compiles it once.
+template <typename T, int kHeadDim, bool kCausal>
+bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true>(p, stream);
+  return sm90::launch_fwd<T, kHeadDim, kCausal, false>(p, stream);
 }
 
 }  // namespace jaxflash::cuda

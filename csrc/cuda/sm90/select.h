@@ -53,8 +53,15 @@ inline bool tma_strides_ok(const FwdParams& p) {
   return true;
 }
 
+// Of the variants, the sm90 kernel runs the rules that only cut each query row's key range
+// (lengths, window, causal alignment); the others need per-element operands (sm80).
+inline bool sm90_rules_only(const FwdParams& p) {
+  return !p.bias && !p.mask && !p.q_segment_ids && !p.alibi_slopes && !p.dropout_seeds &&
+         !(p.softcap > 0.f);
+}
+
 inline bool use_fwd_sm90(const FwdParams& p) {
-  return !sm90_disabled_by_env() && p.s > 0 && live_variant(p) == nullptr && tma_strides_ok(p) &&
+  return !sm90_disabled_by_env() && p.s > 0 && sm90_rules_only(p) && tma_strides_ok(p) &&
          p.b < (int64_t{1} << 31) && current_cc_major() == 9;
 }
 #endif
