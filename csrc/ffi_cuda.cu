@@ -64,9 +64,9 @@ struct FwdLaunch {
 struct BwdLaunch {
   const BwdParams& p;
   cudaStream_t stream;
-  template <typename T, int kHeadDim, bool kCausal>
+  template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
   void operator()() const {
-    cuda::run_bwd<T, kHeadDim, kCausal>(p, stream);
+    cuda::run_bwd<T, kHeadDim, kHeadDimV, kCausal>(p, stream);
   }
 };
 
@@ -99,6 +99,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "jaxflash: the CUDA backward kernel supports head dims (" +
                           head_dims_str(cuda::bwd_head_dims_compiled) + ") with Hv == H" +
+                          (cuda::bwd_head_dims_compiled(192, 128) ? ", and H=192, Hv=128" : "") +
                           got_head_dims(p) +
                           " (the CUDA forward runs them; implementation='xla' differentiates "
                           "through the reference)");
@@ -124,7 +125,8 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
     return buf.value_or(nullptr);
   };
   p.delta = static_cast<float*>(allocate(static_cast<int64_t>(rows)));
-  p.dq_accum = static_cast<float*>(allocate(static_cast<int64_t>(rows) * p.h));
+  // Rows as wide as the kernel's tiles (H padded: flash_bwd.cuh Tiles).
+  p.dq_accum = static_cast<float*>(allocate(static_cast<int64_t>(rows) * cuda::bwd_width(p.h)));
   p.dbias_accum = static_cast<float*>(allocate(w.dbias_accum));
   p.dalibi_accum = static_cast<float*>(allocate(w.dalibi_accum));
   p.dq_turn = static_cast<int*>(allocate(w.dq_turn));
