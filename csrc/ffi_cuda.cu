@@ -107,6 +107,16 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   for (const void* ptr : {p.dout, static_cast<const void*>(p.dq), static_cast<const void*>(p.dk),
                           static_cast<const void*>(p.dv)})
     if (!aligned16(ptr)) return invalid("the CUDA kernels need 16-byte aligned dout, dq, dk, dv");
+  // Head dim 256's tiles take 209 KB (flash_bwd.cuh Tiles): sm90, not the A100's 163 KB.
+  int device = 0, smem_max = 0;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
+          cudaSuccess &&
+      cuda::bwd_smem_bytes(p.h) > smem_max)
+    return invalid("the CUDA backward kernel at head dim " + std::to_string(p.h) + " needs " +
+                   std::to_string(cuda::bwd_smem_bytes(p.h) / 1024) +
+                   " KB of shared memory per block, this GPU has " +
+                   std::to_string(smem_max / 1024) + " KB");
   // With no query or no key there is no attention weight: every gradient is zero (dk and dv
   // may still be non-empty, e.g. T == 0 < S).
   if (p.b == 0 || p.t == 0 || p.n == 0 || p.s == 0) {

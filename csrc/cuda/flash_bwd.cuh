@@ -36,7 +36,7 @@ namespace bwd {
 // the 8 warps in 2D: each warp owns a 32 x 32 (or 64 x 32) block of its output and every
 // ldmatrix'd fragment feeds 2 or more mmas. P and dS go through shared memory once, (M, N)
 // row-major, and are read back as the A operands of dV = P^T dO, dK = dS^T Q and dQ = dS K.
-// Warp layouts (output rows x cols per warp):
+// Warp layouts at H <= 128 (kBlockN = 128 keys; output rows x cols per warp):
 //  * S = Q K^T, dP = dO V^T: (M, N) over 2 x 4 warps of (M / 2, 32);
 //  * dV, dK: (N, H) over 4 x 2 warps of (32, H / 2), private accumulators (no reduction);
 //  * dQ: (M, H) over (M / 32) x (H / 32) warps of (32, 32).
@@ -54,8 +54,8 @@ namespace bwd {
 //  * S, dP: (64, 64) over 4 x 2 warps of (16, 32); dV, dK: (64, D) over 2 x 4 warps of
 //    (32, D / 4), 96 | 128 accumulator registers; dQ: (64, D) over 2 x 4 warps of (32, D / 4).
 //  * shared memory (2*64*D + 4*64*D + 2*64*64) * 2 B + 1 KB: 161 KB at 192 (under the A100's
-//    163 KB), 209 KB at 256 (sm90's 227 KB only; a smaller kBlockM would halve the ldmatrix
-//    reuse of K, V, which dominate at this width).
+//    163 KB), 209 KB at 256 (sm90's 227 KB only, the CUDA handler checks: at kBlockM = 32
+//    the 8 warps would not each have an m16 tile of S).
 // Other head dims run on the next width of these (bwd_width: 32 on 64, 96 on 128) with their
 // Q, K columns past H zero-filled on load and their dQ, dK columns past H never stored: the
 // zeros add nothing to q.k, and 32 | 96 columns are too narrow for the 64-column swizzle (swz)
@@ -84,9 +84,7 @@ struct Tiles {
                     kBlockM <= kThreads,
                 "copy loops");
 
-  static constexpr int kSmemBytes =
-      (2 * kBlockN * kWidth + 4 * kBlockM * kWidth + 2 * kBlockM * kBlockN) * 2 +
-      4 * kBlockM * static_cast<int>(sizeof(float));
+  static constexpr int kSmemBytes = bwd_smem_bytes(kHeadDim);
 };
 
 // Whether column col of a tile kWidth wide holds data of a row kCols wide (the rest is

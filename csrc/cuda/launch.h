@@ -35,6 +35,12 @@ void run_fwd(const FwdParams& p, cudaStream_t stream);
 constexpr int bwd_width(int64_t head_dim) { return static_cast<int>((head_dim + 63) / 64 * 64); }
 constexpr int bwd_block_n(int64_t head_dim) { return bwd_width(head_dim) <= 128 ? 128 : 64; }
 constexpr int bwd_block_m(int64_t head_dim) { return bwd_width(head_dim) == 64 ? 128 : 64; }
+// Dynamic shared memory of the backward's main kernel: K, V, 2 x Q, 2 x dO, P, dS (16-bit),
+// 2 x lse, 2 x delta (fp32).
+constexpr int bwd_smem_bytes(int64_t head_dim) {
+  const int d = bwd_width(head_dim), n = bwd_block_n(head_dim), m = bwd_block_m(head_dim);
+  return (2 * n * d + 4 * m * d + 2 * m * n) * 2 + 4 * m * 4;
+}
 
 // True when every (b, n, t, s) owns its own bias element (no broadcast dim): the backward then
 // writes each dbias element once, with no workspace.
