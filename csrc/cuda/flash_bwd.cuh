@@ -828,7 +828,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
 #pragma unroll
         for (int i = 0; i < 2; ++i) ldmatrix_x4(ra[i], adS + (dq_q0 + 16 * i) * N * 2 + offdS(kk * 16));
 #pragma unroll
-        for (int j = 0; j < kNjdQ / 2; ++j) ldmatrix_x4_trans(rb[j], aK + kk * 16 * D * 2 + offdQ.v[j]);
+        for (int j = 0; j < kNjdQ / 2; ++j)
+          ldmatrix_x4_trans(rb[j], aK + kk * 16 * D * 2 + offdQ.v[j]);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -880,9 +881,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
     // dV += P^T dO, dK += dS^T Q: (32, kColsKV) per warp; k runs over the M queries.
     {
       const Thread th(opaque(tid));
-      const LdsmCols<N, Ldsm::kB, 2> offPt(th.lane, th.warp % kWarpsKeys * 32);  // P^T, dS^T as A
-      const LdsmCols<D, Ldsm::kA, kNjKV / 2> offKV(th.lane,
-                                                   th.warp / kWarpsKeys * Cfg::kColsKV);  // dO, Q as B
+      // P^T, dS^T as A; dO, Q as B
+      const LdsmCols<N, Ldsm::kB, 2> offPt(th.lane, th.warp % kWarpsKeys * 32);
+      const LdsmCols<D, Ldsm::kA, kNjKV / 2> offKV(th.lane, th.warp / kWarpsKeys * Cfg::kColsKV);
       gemm_atb<T, kNjKV, M, N, D>(acc_dv, aP, adOt, offPt, offKV);
       gemm_atb<T, kNjKV, M, N, D>(acc_dk, adS, aQt, offPt, offKV);
     }
@@ -1022,9 +1023,12 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) dbias_kernel(con
     const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
     const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
     const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + n * p.do_head_stride;
-    load_rows<D, kHeadDim, N, kThreads>(sK, gK + n0 * p.k_row_stride, p.k_row_stride, seq_s - n0, tid);
-    load_rows<D, kHeadDimV, N, kThreads>(sV, gV + n0 * p.v_row_stride, p.v_row_stride, seq_s - n0, tid);
-    load_rows<D, kHeadDim, M, kThreads>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, seq_t - m0, tid);
+    load_rows<D, kHeadDim, N, kThreads>(sK, gK + n0 * p.k_row_stride, p.k_row_stride,
+                                        seq_s - n0, tid);
+    load_rows<D, kHeadDimV, N, kThreads>(sV, gV + n0 * p.v_row_stride, p.v_row_stride,
+                                         seq_s - n0, tid);
+    load_rows<D, kHeadDim, M, kThreads>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride,
+                                        seq_t - m0, tid);
     load_rows<D, kHeadDimV, M, kThreads>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride,
                                          seq_t - m0, tid);
     if (tid < M) {
