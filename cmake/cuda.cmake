@@ -6,7 +6,8 @@ set(CMAKE_CUDA_ARCHITECTURES ${JAXFLASH_CUDA_ARCHS})
 
 # A head dim d brings its forward kernels (fwd_hdim<d>_*, and fwd_hdim<d>x<Hv>_* for a
 # narrower value head dim, e.g. the MLA 192x128), its sm90 forward where there is one, and
-# its backward (bwd_hdim<d>_*) where there is one; csrc/cuda/dispatch.h gets both lists.
+# its backward (bwd_hdim<d>_*, bwd_hdim<d>x<Hv>_*) where there is one; csrc/cuda/dispatch.h
+# gets both lists.
 set(_cuda_sources csrc/ffi_cuda.cu)
 set(_inst_dir "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/instantiations")
 set(JAXFLASH_BWD_HEAD_DIMS "")
@@ -18,7 +19,7 @@ foreach(hdim ${JAXFLASH_HEAD_DIMS})
     message(FATAL_ERROR "jaxflash: no CUDA kernels for head dim ${hdim}")
   endif()
   file(GLOB _sm90 "${_inst_dir}/fwd_sm90_hdim${hdim}_*.cu")
-  file(GLOB _bwd "${_inst_dir}/bwd_hdim${hdim}_*.cu")
+  file(GLOB _bwd "${_inst_dir}/bwd_hdim${hdim}_*.cu" "${_inst_dir}/bwd_hdim${hdim}x*.cu")
   list(APPEND _cuda_sources ${_fwd} ${_sm90} ${_bwd})
   string(APPEND _fwd_hdims ",${hdim}")
   if(_bwd)

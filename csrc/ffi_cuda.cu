@@ -64,9 +64,9 @@ struct FwdLaunch {
 struct BwdLaunch {
   const BwdParams& p;
   cudaStream_t stream;
-  template <typename T, int kHeadDim, bool kCausal>
+  template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
   void operator()() const {
-    cuda::run_bwd<T, kHeadDim, kCausal>(p, stream);
+    cuda::run_bwd<T, kHeadDim, kHeadDimV, kCausal>(p, stream);
   }
 };
 
@@ -99,6 +99,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "jaxflash: the CUDA backward kernel supports head dims (" +
                           head_dims_str(cuda::bwd_head_dims_compiled) + ") with Hv == H" +
+                          (cuda::bwd_head_dims_compiled(192, 128) ? ", and H=192, Hv=128" : "") +
                           got_head_dims(p) +
                           " (the CUDA forward runs them; implementation='xla' differentiates "
                           "through the reference)");
@@ -106,6 +107,16 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   for (const void* ptr : {p.dout, static_cast<const void*>(p.dq), static_cast<const void*>(p.dk),
                           static_cast<const void*>(p.dv)})
     if (!aligned16(ptr)) return invalid("the CUDA kernels need 16-byte aligned dout, dq, dk, dv");
+  // Head dim 256's tiles take 209 KB (flash_bwd.cuh Tiles): sm90, not the A100's 163 KB.
+  int device = 0, smem_max = 0;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
+          cudaSuccess &&
+      cuda::bwd_smem_bytes(p.h) > smem_max)
+    return invalid("the CUDA backward kernel at head dim " + std::to_string(p.h) + " needs " +
+                   std::to_string(cuda::bwd_smem_bytes(p.h) / 1024) +
+                   " KB of shared memory per block, this GPU has " +
+                   std::to_string(smem_max / 1024) + " KB");
   // With no query or no key there is no attention weight: every gradient is zero (dk and dv
   // may still be non-empty, e.g. T == 0 < S).
   if (p.b == 0 || p.t == 0 || p.n == 0 || p.s == 0) {
@@ -124,7 +135,8 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
     return buf.value_or(nullptr);
   };
   p.delta = static_cast<float*>(allocate(static_cast<int64_t>(rows)));
-  p.dq_accum = static_cast<float*>(allocate(static_cast<int64_t>(rows) * p.h));
+  // Rows as wide as the kernel's tiles (H padded: flash_bwd.cuh Tiles).
+  p.dq_accum = static_cast<float*>(allocate(static_cast<int64_t>(rows) * cuda::bwd_width(p.h)));
   p.dbias_accum = static_cast<float*>(allocate(w.dbias_accum));
   p.dalibi_accum = static_cast<float*>(allocate(w.dalibi_accum));
   p.dq_turn = static_cast<int*>(allocate(w.dq_turn));

@@ -81,14 +81,15 @@ def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
 
 def cuda_bwd_head_dims_error(H, Hv) -> str | None:
   """Why the CUDA backward kernel cannot run head dims (H, Hv), or None. The set comes from
-  the build (_ffi.cuda_bwd_head_dims: the bwd_hdim<d> instantiations compiled), so a new
-  backward head dim needs no change here."""
+  the build (_ffi.cuda_bwd_head_dims: the bwd_hdim<d> instantiations compiled; 192 brings the
+  MLA pair 192/128 too, as csrc/cuda/dispatch.h dispatch_bwd_head_dims), so a new backward head
+  dim needs no change here."""
   dims = _ffi.cuda_bwd_head_dims()
-  if H == Hv and H in dims:
+  if H in dims and (Hv == H or (H, Hv) == (192, 128)):
     return None
-  return (f"the CUDA backward kernel supports head dims {dims} with Hv == H, got H={H}, "
-          f"Hv={Hv} (the CUDA forward runs them); use implementation='xla' to differentiate "
-          "through the reference")
+  return (f"the CUDA backward kernel supports head dims {dims} with Hv == H, and H=192, "
+          f"Hv=128, got H={H}, Hv={Hv} (the CUDA forward runs them); use "
+          "implementation='xla' to differentiate through the reference")
 
 
 def _check_cuda_bwd(q, v):

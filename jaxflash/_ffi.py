@@ -45,7 +45,8 @@ def cuda_head_dims() -> tuple[int, ...]:
 
 
 def cuda_bwd_head_dims() -> tuple[int, ...]:
-  """Head dims (H == Hv) the CUDA backward runs: those with bwd_hdim<d> instantiations."""
+  """Head dims H the CUDA backward runs with Hv == H (and 192 with Hv == 128, the MLA pair):
+  those with bwd_hdim<d> instantiations."""
   return _dims("cuda_bwd_head_dims")
 
 

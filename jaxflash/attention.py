@@ -243,9 +243,10 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       'cuda', 'cpu', or 'xla' (the pure-JAX reference). The CUDA kernels (float16 and
       bfloat16) run every option above, forward and backward. The CUDA forward takes head
       dims H, Hv in (32, 64, 96, 128, 192, 256) with Hv <= H (e.g. the MLA 192/128); the
-      CUDA backward fewer (jaxflash._ffi.cuda_bwd_head_dims(), H == Hv): elsewhere a
-      gradient raises, a NotImplementedError with 'cuda' and the CUDA handler's error on GPU
-      with None, rather than fall back to the O(T * S) reference VJP.
+      CUDA backward the same H with Hv == H, and the MLA 192/128 (of the head dims built:
+      jaxflash._ffi.cuda_bwd_head_dims()). At another Hv < H (e.g. 128/64) a gradient
+      raises, a NotImplementedError with 'cuda' and the CUDA handler's error on GPU with
+      None, rather than fall back to the O(T * S) reference VJP.
     return_residual: also return the logsumexp, (B, N, T) float32 (differentiable); -inf on
       rows that see no key.
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxflash
+from jaxflash import _calls
 from common import (IMPLEMENTATIONS, assert_accurate, assert_matches_reference, gpu, on_device,
                     random_qkv)
 
@@ -99,9 +100,9 @@ def test_cuda_long_sequences(dtype, is_causal, shape):
   test_forward_and_grads("cuda", dtype, is_causal, shape)
 
 
-# (H, Hv) the CUDA forward runs besides 64 and 128: the new head dims, the MLA shape and a
-# value head dim below H (V zero-padded to the kernel's). Forward only: the CUDA backward runs
-# fewer head dims (test_gpu checks that a gradient there says so).
+# (H, Hv) the CUDA forward runs besides 64 and 128: the other head dims, the MLA shape and a
+# value head dim below H (V zero-padded to the kernel's). The backward is checked too where the
+# CUDA backward runs the pair (all but 128/64, where test_gpu checks that a gradient says so).
 CUDA_FWD_HEAD_DIMS = [(32, 32), (96, 96), (192, 192), (256, 256), (192, 128), (128, 64)]
 
 
@@ -113,11 +114,16 @@ CUDA_FWD_HEAD_DIMS = [(32, 32), (96, 96), (192, 192), (256, 256), (192, 128), (1
 # (B, T, S, N, K): ragged lengths over several query and key tiles with GQA, Sq > Sk, length 1
 @pytest.mark.parametrize("shape", [(2, 300, 517, 8, 2), (1, 77, 45, 4, 4), (1, 1, 33, 2, 1)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_cuda_forward_head_dims(dtype, is_causal, head_dims, shape):
+def test_cuda_head_dims(dtype, is_causal, head_dims, shape):
   (H, Hv), (B, T, S, N, K) = head_dims, shape
   if H not in jaxflash._ffi.cuda_head_dims() or Hv not in jaxflash._ffi.cuda_head_dims():
     pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
   q, k, v = random_qkv(H + Hv + T, B, T, S, N, K, H, dtype, Hv=Hv)
+  if _calls.cuda_bwd_head_dims_error(H, Hv) is None:  # forward, lse and gradients
+    dout = jax.random.normal(jax.random.PRNGKey(T), (B, T, N, Hv), jnp.float32).astype(dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(S), (B, N, T), jnp.float32)
+    assert_matches_reference("cuda", q, k, v, dout, dlse, is_causal=is_causal)
+    return
   run = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, is_causal=is_causal,
                                                    implementation="cuda", return_residual=True))
   with on_device("cuda"):

@@ -112,8 +112,8 @@ def test_variant(impl, case):
 # GPU-sized: T and S span several query and key tiles (64/128 and 16 to 64), with lengths
 # that are not tile multiples.
 GPU_T, GPU_S = 200, 333
-# Every case at H = Hv = 64 and 128, forward and backward; the head dims (H, Hv) that only the
-# CUDA forward runs take a few cases that use many rules at once.
+# Every case at H = Hv = 64 and 128, forward and backward; the other head dims (H, Hv) take a
+# few cases that use many rules at once (their kernels share the variant code, not the tiles).
 GPU_MORE_HEAD_DIMS = [(32, 32), (96, 96), (192, 192), (256, 256), (192, 128)]
 GPU_MORE_CASES = ["segments_causal_window", "bottom_right_lengths_window", "everything"]
 
@@ -129,12 +129,12 @@ GPU_DTYPES = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=[
                           for t in (jnp.bfloat16, jnp.float16)],
                          ids=lambda x: ("%dx%d" % x if isinstance(x, tuple) else
                                         x if isinstance(x, str) else jnp.dtype(x).name))
-def test_cuda_forward_variant(case, head_dims, dtype):
-  """implementation='cuda' at head dims with no CUDA backward: the CUDA forward runs the
-  variant (out and lse checked)."""
-  if head_dims[0] not in jaxflash._ffi.cuda_head_dims():
+def test_cuda_head_dims_variant(case, head_dims, dtype):
+  """implementation='cuda' at the other head dims (padded or 64-key tiles): the CUDA forward
+  and backward run the variant (out, lse, dq, dk, dv, dbias, dalibi checked)."""
+  if head_dims[0] not in jaxflash._ffi.cuda_bwd_head_dims():
     pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
-  _check_case("cuda", case, GPU_T, GPU_S, *head_dims, with_grads=False, dtype=dtype)
+  _check_case("cuda", case, GPU_T, GPU_S, *head_dims, dtype=dtype)
 
 
 # dbias summed over the keys or rows of a broadcast bias, and dalibi, reduce many dZ = P (dP -
@@ -179,6 +179,18 @@ def test_cuda_deterministic_variant(case, head_dim, request):
   give the reference's gradients too."""
   _mark_reduction_limited(request, case, head_dim, DTYPE)
   _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, deterministic=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dims", [(256, 256), (192, 128), (32, 32)], ids=lambda d: "%dx%d" % d)
+@pytest.mark.parametrize("case", ["bias_heads_causal", "everything"])
+def test_cuda_deterministic_head_dims(case, head_dims):
+  """deterministic_backward=True on the 64-key tiles (256, MLA 192/128) and a padded width
+  (32 on 64): ordered dQ sums and the dbias kernel of a broadcast bias."""
+  if head_dims[0] not in jaxflash._ffi.cuda_bwd_head_dims():
+    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
+  _check_case("cuda", case, GPU_T, GPU_S, *head_dims, deterministic=True)
 
 
 @pytest.mark.gpu

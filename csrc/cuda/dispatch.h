@@ -77,15 +77,36 @@ bool dispatch_fwd(const FwdParams& p, F&& f) {
   return ok;
 }
 
-// As dispatch_fwd, with `template <typename T, int kHeadDim, bool kCausal> void operator()()`.
+// The backward kernel (kHeadDim, kHeadDimV) of (H, Hv): exactly (H, H) for a compiled H, and
+// the MLA pair (192, 128), which pads V, dO to 192 columns (flash_bwd.cuh Tiles). Other Hv < H
+// have no backward kernel: each would be one more instantiation.
+template <typename F>
+bool dispatch_bwd_head_dims(int64_t h, int64_t hv, F&& f) {
+  bool ok = false;
+  dispatch_head_dim(BwdHeadDims{}, h, [&](auto hdim) {
+    if (hv == decltype(hdim)::value) {
+      f(hdim, hdim);
+      ok = true;
+    }
+    if constexpr (decltype(hdim)::value == 192) {
+      if (hv == 128) {
+        f(hdim, Int<128>{});
+        ok = true;
+      }
+    }
+  });
+  return ok;
+}
+
+// As dispatch_fwd (same operator() signature), for the backward's head dim pairs.
 template <typename F>
 bool dispatch_bwd(const BwdParams& p, F&& f) {
   bool ok = false;
   dispatch_dtype(p.dtype, [&](auto t) {
-    if (p.h != p.hv) return;  // the backward runs H == Hv only
-    ok = dispatch_head_dim(BwdHeadDims{}, p.h, [&](auto hdim) {
+    ok = dispatch_bwd_head_dims(p.h, p.hv, [&](auto hdim, auto hdim_v) {
       dispatch_bool(p.is_causal, [&](auto causal) {
-        f.template operator()<decltype(t), decltype(hdim)::value, decltype(causal)::value>();
+        f.template operator()<decltype(t), decltype(hdim)::value, decltype(hdim_v)::value,
+                              decltype(causal)::value>();
       });
     });
   });
@@ -97,7 +118,7 @@ inline bool fwd_head_dims_compiled(int64_t h, int64_t hv) {
 }
 
 inline bool bwd_head_dims_compiled(int64_t h, int64_t hv) {
-  return h == hv && contains(BwdHeadDims{}, h);
+  return dispatch_bwd_head_dims(h, hv, [](auto, auto) {});
 }
 
 }  // namespace jaxflash::cuda

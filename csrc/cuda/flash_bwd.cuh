@@ -36,7 +36,7 @@ namespace bwd {
 // the 8 warps in 2D: each warp owns a 32 x 32 (or 64 x 32) block of its output and every
 // ldmatrix'd fragment feeds 2 or more mmas. P and dS go through shared memory once, (M, N)
 // row-major, and are read back as the A operands of dV = P^T dO, dK = dS^T Q and dQ = dS K.
-// Warp layouts (output rows x cols per warp):
+// Warp layouts at H <= 128 (kBlockN = 128 keys; output rows x cols per warp):
 //  * S = Q K^T, dP = dO V^T: (M, N) over 2 x 4 warps of (M / 2, 32);
 //  * dV, dK: (N, H) over 4 x 2 warps of (32, H / 2), private accumulators (no reduction);
 //  * dQ: (M, H) over (M / 32) x (H / 32) warps of (32, 32).
@@ -49,24 +49,50 @@ namespace bwd {
 //  * H = 64: kBlockM = 128 (halves the barriers per FLOP):
 //    (2*128*64 + 4*128*64 + 2*128*128) * 2 B + 2 KB = 162 KB;
 //  both under the A100's 163 KB.
+// H = 192, 256: with 128 keys dK + dV alone would take 192 | 256 registers per thread, so a CTA
+// keeps kBlockN = 64 keys (kBlockM = 64), and the warps split D wider instead:
+//  * S, dP: (64, 64) over 4 x 2 warps of (16, 32); dV, dK: (64, D) over 2 x 4 warps of
+//    (32, D / 4), 96 | 128 accumulator registers; dQ: (64, D) over 2 x 4 warps of (32, D / 4).
+//  * shared memory (2*64*D + 4*64*D + 2*64*64) * 2 B + 1 KB: 161 KB at 192 (under the A100's
+//    163 KB), 209 KB at 256 (sm90's 227 KB only, the CUDA handler checks: at kBlockM = 32
+//    the 8 warps would not each have an m16 tile of S).
+// Other head dims run on the next width of these (bwd_width: 32 on 64, 96 on 128) with their
+// Q, K columns past H zero-filled on load and their dQ, dK columns past H never stored: the
+// zeros add nothing to q.k, and 32 | 96 columns are too narrow for the 64-column swizzle (swz)
+// and the 32-column warp blocks. V, dO (Hv columns) are padded to the same width when Hv < H
+// (the MLA pair 192/128): dP = dO V^T needs equal widths, and dV's columns past Hv are not stored.
 template <int kHeadDim>
 struct Tiles {
-  static constexpr int kBlockN = kBwdBlockN;                // keys per CTA: 128
-  static constexpr int kBlockM = bwd_block_m(kHeadDim);     // queries per step: 128 | 64
+  static constexpr int kWidth = bwd_width(kHeadDim);       // D: columns of Q, K, V, dO tiles
+  static constexpr int kBlockN = bwd_block_n(kHeadDim);    // keys per CTA: 128 | 64
+  static constexpr int kBlockM = bwd_block_m(kHeadDim);    // queries per step: 128 | 64
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMiS = kBlockM / 2 / 16;         // S, dP: m16 tiles per warp
-  static constexpr int kNjKV = kHeadDim / 2 / 8;        // dV, dK: n8 tiles per warp
-  static constexpr int kWarpsMdQ = kBlockM / 32;        // dQ: warps along queries
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 only");
-  static_assert(kBlockN == 4 * 32, "S, dP, dV, dK warp layouts");
-  static_assert(kWarpsMdQ * (kHeadDim / 32) == kWarps, "dQ warp layout");
-  static_assert(kBlockM * kHeadDim / 8 % kThreads == 0 && kBlockM <= kThreads, "copy loops");
+  // S, dP: (M, N) over (kWarps / kWarpsKeys) x kWarpsKeys warps of (kRowsS, 32).
+  static constexpr int kWarpsKeys = kBlockN / 32;
+  static constexpr int kRowsS = kBlockM * kWarpsKeys / kWarps;
+  static constexpr int kMiS = kRowsS / 16;                  // S, dP: m16 tiles per warp
+  // dV, dK: (N, D) over kWarpsKeys x (kWarps / kWarpsKeys) warps of (32, kColsKV).
+  static constexpr int kColsKV = kWidth * kWarpsKeys / kWarps;
+  static constexpr int kNjKV = kColsKV / 8;                 // dV, dK: n8 tiles per warp
+  // dQ: (M, D) over kWarpsMdQ x (kWarps / kWarpsMdQ) warps of (32, kColsdQ).
+  static constexpr int kWarpsMdQ = kBlockM / 32;
+  static constexpr int kColsdQ = kWidth * kWarpsMdQ / kWarps;
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= kWidth && kWidth % 64 == 0, "head dims");
+  static_assert(kRowsS % 16 == 0 && kColsKV % 16 == 0 && kColsdQ % 16 == 0, "warp layouts");
+  static_assert(kBlockM * kWidth / 8 % kThreads == 0 && kBlockN * kWidth / 8 % kThreads == 0 &&
+                    kBlockM <= kThreads,
+                "copy loops");
 
-  static constexpr int kSmemBytes =
-      (2 * kBlockN * kHeadDim + 4 * kBlockM * kHeadDim + 2 * kBlockM * kBlockN) * 2 +
-      4 * kBlockM * static_cast<int>(sizeof(float));
+  static constexpr int kSmemBytes = bwd_smem_bytes(kHeadDim);
 };
+
+// Whether column col of a tile kWidth wide holds data of a row kCols wide (the rest is
+// padding); a constant true where the widths match, so that those kernels keep no test.
+template <int kCols, int kWidth>
+__device__ __forceinline__ bool in_cols(int col) {
+  return kCols == kWidth || col < kCols;
+}
 
 // Element offset of (row, col) in a row-major (rows, kCols) smem tile of 16-bit values whose
 // 16-byte chunks are XOR-swizzled by row % 8: the 8 rows an ldmatrix reads, or a warp stores
@@ -102,20 +128,24 @@ __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #endif
 }
 
-// Rows (b, t, n) of a BTNH tensor handled by 8-element (16-byte) chunks, kHeadDim / 8 lanes per
-// row; these lanes are adjacent in one warp.
-template <int kHeadDim>
+// Rows (b, t, n) of a BTNH tensor handled by 8-element (16-byte) chunks: kLanes adjacent lanes
+// of one warp per row, lane c holding chunk c of a row of up to kWidth columns. kLanes is a
+// power of 2 (the row's lanes reduce by shuffles): the lanes past kWidth / 8 (at 192) idle.
+template <int kWidth>
 struct RowChunks {
-  static constexpr int kLanes = kHeadDim / 8;
+  static constexpr int kLanes = kWidth <= 64 ? 8 : kWidth <= 128 ? 16 : 32;
   static constexpr int kThreads = 256;
+  static_assert(kLanes * 8 >= kWidth, "a lane per chunk");
   static int64_t blocks(int64_t rows) { return (rows * kLanes + kThreads - 1) / kThreads; }
 };
 
-// delta[b, n, t] = sum_d dout[b, t, n, d] * o[b, t, n, d] - dlse[b, n, t]; dq_accum[b, t, n] = 0.
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(RowChunks<kHeadDim>::kThreads)
+// delta[b, n, t] = sum_d dout[b, t, n, d] * o[b, t, n, d] - dlse[b, n, t] (Hv columns);
+// dq_accum[b, t, n, :H] = 0 (rows bwd_width(H) wide; the padding is never read).
+template <typename T, int kHeadDim, int kHeadDimV>
+__global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
     preprocess_kernel(const BwdParams p) {
-  constexpr int kLanes = RowChunks<kHeadDim>::kLanes;
+  constexpr int kWidth = Tiles<kHeadDim>::kWidth;
+  constexpr int kLanes = RowChunks<kWidth>::kLanes;
   const int64_t rows = p.b * p.t * p.n;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = idx / kLanes;  // (b * T + t) * N + n
@@ -124,7 +154,7 @@ __global__ void __launch_bounds__(RowChunks<kHeadDim>::kThreads)
   const int64_t n = row % p.n, t = (row / p.n) % p.t, b = row / (p.n * p.t);
 
   float acc = 0.f;
-  if (valid) {
+  if (valid && c < kHeadDimV / 8) {
     const uint4 o = *reinterpret_cast<const uint4*>(
         static_cast<const T*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
         n * p.o_head_stride + c * 8);
@@ -137,7 +167,9 @@ __global__ void __launch_bounds__(RowChunks<kHeadDim>::kThreads)
       const float2 of = unpack2<T>(ow[i]), df = unpack2<T>(dw[i]);
       acc += of.x * df.x + of.y * df.y;
     }
-    float4* dqa = reinterpret_cast<float4*>(p.dq_accum + row * kHeadDim + c * 8);
+  }
+  if (valid && c < kHeadDim / 8) {
+    float4* dqa = reinterpret_cast<float4*>(p.dq_accum + row * kWidth + c * 8);
     dqa[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     dqa[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
@@ -150,17 +182,18 @@ __global__ void __launch_bounds__(RowChunks<kHeadDim>::kThreads)
   }
 }
 
-// dq[b, t, n] = scale * dq_accum[b, t, n], cast to T.
+// dq[b, t, n] = scale * dq_accum[b, t, n, :H], cast to T.
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(RowChunks<kHeadDim>::kThreads)
+__global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
     convert_dq_kernel(const BwdParams p) {
-  constexpr int kLanes = RowChunks<kHeadDim>::kLanes;
+  constexpr int kWidth = Tiles<kHeadDim>::kWidth;
+  constexpr int kLanes = RowChunks<kWidth>::kLanes;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = idx / kLanes;
   const int c = static_cast<int>(idx % kLanes);
-  if (row >= p.b * p.t * p.n) return;
+  if (row >= p.b * p.t * p.n || c >= kHeadDim / 8) return;
   const int64_t n = row % p.n, t = (row / p.n) % p.t, b = row / (p.n * p.t);
-  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * kHeadDim + c * 8);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * kWidth + c * 8);
   const float4 x = src[0], y = src[1];
   const float s = p.scale;
   uint4 out;
@@ -479,14 +512,15 @@ __device__ void dbias_block(const BwdParams& p, const float (&dz)[kMi][4][4], in
 }
 
 // kVariants: the variant rules of p apply, causal included (kCausal is false), and so does
-// p.deterministic.
-template <typename T, int kHeadDim, bool kCausal, bool kVariants>
+// p.deterministic. (kHeadDim, kHeadDimV) = (H, Hv); the tiles are D = Tiles::kWidth wide.
+template <typename T, int kHeadDim, int kHeadDimV, bool kCausal, bool kVariants>
 __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(const BwdParams p) {
   static_assert(!(kCausal && kVariants), "the variant kernel reads is_causal from p");
+  static_assert(kHeadDimV <= kHeadDim, "V, dO are padded to the width of Q, K");
   using Cfg = Tiles<kHeadDim>;
-  constexpr int D = kHeadDim, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
-  constexpr int kMi = Cfg::kMiS, kNjKV = Cfg::kNjKV;
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row of Q, dO, K, V
+  constexpr int D = Cfg::kWidth, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  constexpr int kMi = Cfg::kMiS, kNjKV = Cfg::kNjKV, kWarpsKeys = Cfg::kWarpsKeys;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row of Q, dO, K, V tiles
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -561,8 +595,10 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
     for (int k = 0; k < M * kChunks / kThreads; ++k) {
       const int i = t0 + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
       const bool ok = m0 + row < seq_t;  // rows past T are zero-filled and masked
-      cp_async_16(&tQ[swz<D>(row, col)], gQ + (ok ? row * p.q_row_stride + col : 0), ok);
-      cp_async_16(&tdO[swz<D>(row, col)], gdO + (ok ? row * p.do_row_stride + col : 0), ok);
+      const bool ok_q = ok && in_cols<kHeadDim, D>(col);  // and columns past H, Hv
+      const bool ok_do = ok && in_cols<kHeadDimV, D>(col);
+      cp_async_16(&tQ[swz<D>(row, col)], gQ + (ok_q ? row * p.q_row_stride + col : 0), ok_q);
+      cp_async_16(&tdO[swz<D>(row, col)], gdO + (ok_do ? row * p.do_row_stride + col : 0), ok_do);
     }
     const int64_t bnt = (b * p.n + n) * p.t + m0;  // (B, N, T) row statistics
     if (tid < M) {
@@ -577,19 +613,20 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
     for (int k = 0; k < N * kChunks / kThreads; ++k) {
       const int i = tid + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
       const bool ok = n0 + row < seq_s;  // keys past S are zero-filled and masked
-      cp_async_16(&sK[swz<D>(row, col)], gK + (ok ? row * p.k_row_stride + col : 0), ok);
-      cp_async_16(&sV[swz<D>(row, col)], gV + (ok ? row * p.v_row_stride + col : 0), ok);
+      const bool ok_k = ok && in_cols<kHeadDim, D>(col), ok_v = ok && in_cols<kHeadDimV, D>(col);
+      cp_async_16(&sK[swz<D>(row, col)], gK + (ok_k ? row * p.k_row_stride + col : 0), ok_k);
+      cp_async_16(&sV[swz<D>(row, col)], gV + (ok_v ? row * p.v_row_stride + col : 0), ok_v);
     }
     load_step(0, 0);
     cp_async_commit();
   }
 
-  // The warp's blocks (first row, first column) of each GEMM's output:
-  //  S, dP: (M / 2, 32) at (warp / 4 * M / 2, warp % 4 * 32);
-  //  dV, dK: (32, D / 2) at (warp % 4 * 32, warp / 4 * D / 2);
-  //  dQ: (32, 32) at (warp % kWarpsMdQ * 32, warp / kWarpsMdQ * 32).
-  float acc_dk[2][kNjKV][4] = {};  // the warp's (32, D / 2) block of dK
-  float acc_dv[2][kNjKV][4] = {};  // (32, D / 2) of dV
+  // The warp's blocks (first row, first column) of each GEMM's output (Tiles):
+  //  S, dP: (kRowsS, 32) at (warp / kWarpsKeys * kRowsS, warp % kWarpsKeys * 32);
+  //  dV, dK: (32, kColsKV) at (warp % kWarpsKeys * 32, warp / kWarpsKeys * kColsKV);
+  //  dQ: (32, kColsdQ) at (warp % kWarpsMdQ * 32, warp / kWarpsMdQ * kColsdQ).
+  float acc_dk[2][kNjKV][4] = {};  // the warp's (32, kColsKV) block of dK
+  float acc_dv[2][kNjKV][4] = {};  // (32, kColsKV) of dV
   float dslope = 0.f;              // variants: this thread's share of dalibi of the current head
 
   for (int it = 0; kVariants ? cur < iters : it < iters; ++it) {
@@ -613,7 +650,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
     {
       const Thread th(opaque(tid));
       const int g = th.g, tq = th.tq;
-      const int s_q0 = th.warp / 4 * (M / 2), s_k0 = th.warp % 4 * 32;
+      const int s_q0 = th.warp / kWarpsKeys * Cfg::kRowsS, s_k0 = th.warp % kWarpsKeys * 32;
       const LdsmOffsets<D, Ldsm::kA> offA(th.lane);  // Q, dO as A
       const LdsmOffsets<D, Ldsm::kB> offB(th.lane);  // K, V as B
       // The lane's 32-bit slot of sP, sdS (M, N) in n8 tile j of m16 tile 0 is at row s_q0 + g,
@@ -621,7 +658,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       const uint32_t st_row = (s_q0 + g) * N * 2 + 4 * tq;
       // Element e of tile (i, j): query s_q0 + 16 i + g + 8 (e / 2), key s_k0 + 8 j + 2 tq + e % 2.
 
-      // S = Q K^T: (M / 2, 32) per warp; then P = exp2(S * scale_log2 - lse * log2e), masked,
+      // S = Q K^T: (kRowsS, 32) per warp; then P = exp2(S * scale_log2 - lse * log2e), masked,
       // to sP as T and kept as fp16 pairs (16-bit registers: with P and dP both fp32 next to
       // the dK, dV accumulators the kernel spilled; fp16 keeps 11 bits of P <= 1, which dS
       // rounded to T does not need more of). lse == -inf (no visible key) becomes +inf: P = 0.
@@ -690,7 +727,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
           }
         }
       }
-      // dP = dO V^T: (M / 2, 32) per warp; dS = P * (dP - delta) to sdS as T. Masked P are
+      // dP = dO V^T: (kRowsS, 32) per warp; dS = P * (dP - delta) to sdS as T. Masked P are
       // 0, and so are their dS (dP, delta are finite: padded rows are zero-filled).
       if constexpr (kVariants) {
         // dZ = P * (dP keep - delta) in place of dP; dS = dZ * cap' to sdS; dZ feeds dalibi
@@ -775,25 +812,28 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       }
     }
 
-    // dQ += dS K: (32, 32) per warp; k runs over the N keys, A = dS from (M, N) storage, B = K
-    // from (N, D) storage (.trans).
+    // dQ += dS K: (32, kColsdQ) per warp; k runs over the N keys, A = dS from (M, N) storage,
+    // B = K from (N, D) storage (.trans).
     {
+      constexpr int kNjdQ = Cfg::kColsdQ / 8;  // n8 tiles per warp
       const Thread th(opaque(tid));
-      const int dq_q0 = th.warp % Cfg::kWarpsMdQ * 32, dq_d0 = th.warp / Cfg::kWarpsMdQ * 32;
-      const LdsmOffsets<N, Ldsm::kA> offdS(th.lane);          // dS as A
-      const LdsmCols<D, Ldsm::kA, 2> offdQ(th.lane, dq_d0);  // K as B
-      float acc_dq[2][4][4] = {};
+      const int dq_q0 = th.warp % Cfg::kWarpsMdQ * 32;
+      const int dq_d0 = th.warp / Cfg::kWarpsMdQ * Cfg::kColsdQ;
+      const LdsmOffsets<N, Ldsm::kA> offdS(th.lane);                   // dS as A
+      const LdsmCols<D, Ldsm::kA, kNjdQ / 2> offdQ(th.lane, dq_d0);  // K as B
+      float acc_dq[2][kNjdQ][4] = {};
 #pragma unroll
       for (int kk = 0; kk < N / 16; ++kk) {
-        uint32_t ra[2][4], rb[2][4];
+        uint32_t ra[2][4], rb[kNjdQ / 2][4];
 #pragma unroll
         for (int i = 0; i < 2; ++i) ldmatrix_x4(ra[i], adS + (dq_q0 + 16 * i) * N * 2 + offdS(kk * 16));
 #pragma unroll
-        for (int j = 0; j < 2; ++j) ldmatrix_x4_trans(rb[j], aK + kk * 16 * D * 2 + offdQ.v[j]);
+        for (int j = 0; j < kNjdQ / 2; ++j)
+          ldmatrix_x4_trans(rb[j], aK + kk * 16 * D * 2 + offdQ.v[j]);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
+          for (int j = 0; j < kNjdQ / 2; ++j) {
             mma_16816<T>(acc_dq[i][2 * j], ra[i], {rb[j][0], rb[j][1]});
             mma_16816<T>(acc_dq[i][2 * j + 1], ra[i], {rb[j][2], rb[j][3]});
           }
@@ -814,14 +854,15 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
           __syncthreads();
         }
       }
-      // dq_accum is contiguous (B, T, N, H); rows past T are not written.
+      // dq_accum is contiguous (B, T, N, D); rows past T and columns past H are not written.
       const int64_t row8 = 8 * p.n * D;  // 8 query rows further
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int q = m0 + dq_q0 + 16 * i + th.g;
         float* dqa = p.dq_accum + ((b * p.t + q) * p.n + n) * D + dq_d0 + 2 * th.tq;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kNjdQ; ++j) {
+          if (!in_cols<kHeadDim, D>(dq_d0 + 8 * j)) continue;
           if (q < seq_t) atomic_add2(dqa + j * 8, acc_dq[i][j][0], acc_dq[i][j][1]);
           if (q + 8 < seq_t) atomic_add2(dqa + row8 + j * 8, acc_dq[i][j][2], acc_dq[i][j][3]);
         }
@@ -837,11 +878,12 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       }
     }
 
-    // dV += P^T dO, dK += dS^T Q: (32, D / 2) per warp; k runs over the M queries.
+    // dV += P^T dO, dK += dS^T Q: (32, kColsKV) per warp; k runs over the M queries.
     {
       const Thread th(opaque(tid));
-      const LdsmCols<N, Ldsm::kB, 2> offPt(th.lane, th.warp % 4 * 32);           // P^T, dS^T as A
-      const LdsmCols<D, Ldsm::kA, kNjKV / 2> offKV(th.lane, th.warp / 4 * (D / 2));  // dO, Q as B
+      // P^T, dS^T as A; dO, Q as B
+      const LdsmCols<N, Ldsm::kB, 2> offPt(th.lane, th.warp % kWarpsKeys * 32);
+      const LdsmCols<D, Ldsm::kA, kNjKV / 2> offKV(th.lane, th.warp / kWarpsKeys * Cfg::kColsKV);
       gemm_atb<T, kNjKV, M, N, D>(acc_dv, aP, adOt, offPt, offKV);
       gemm_atb<T, kNjKV, M, N, D>(acc_dk, adS, aQt, offPt, offKV);
     }
@@ -853,7 +895,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   cp_async_wait<0>();
   __syncthreads();
   const Thread th(tid);
-  const int g = th.g, tq = th.tq, kv_k0 = th.warp % 4 * 32, kv_d0 = th.warp / 4 * (D / 2);
+  const int g = th.g, tq = th.tq, kv_k0 = th.warp % kWarpsKeys * 32;
+  const int kv_d0 = th.warp / kWarpsKeys * Cfg::kColsKV;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -877,25 +920,27 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
 #pragma unroll
   for (int k = 0; k < N * kChunks / kThreads; ++k) {
     const int i = tid + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
-    if (n0 + row < seq_s) {
-      *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + col) =
-          *reinterpret_cast<const uint4*>(&sK[swz<D>(row, col)]);
-      *reinterpret_cast<uint4*>(gdV + row * p.dv_row_stride + col) =
-          *reinterpret_cast<const uint4*>(&sV[swz<D>(row, col)]);
+    if (n0 + row < seq_s) {  // the padding columns of dK, dV are not stored
+      if (in_cols<kHeadDim, D>(col))
+        *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + col) =
+            *reinterpret_cast<const uint4*>(&sK[swz<D>(row, col)]);
+      if (in_cols<kHeadDimV, D>(col))
+        *reinterpret_cast<uint4*>(gdV + row * p.dv_row_stride + col) =
+            *reinterpret_cast<const uint4*>(&sV[swz<D>(row, col)]);
     }
   }
 }
 
-// cp.async of a (kRows, D) tile of 16-bit rows (row stride in elements) into the swizzled sX;
-// rows at or past rows_left are zero-filled.
-template <int D, int kRows, int kThreads, typename T>
+// cp.async of a (kRows, D) tile of 16-bit rows of kCols columns (row stride in elements) into
+// the swizzled sX; rows at or past rows_left and columns at or past kCols are zero-filled.
+template <int D, int kCols, int kRows, int kThreads, typename T>
 __device__ __forceinline__ void load_rows(T* sX, const T* gX, int64_t row_stride, int rows_left,
                                           int tid) {
   constexpr int kChunks = D / 8;
 #pragma unroll
   for (int k = 0; k < kRows * kChunks / kThreads; ++k) {
     const int i = tid + k * kThreads, row = i / kChunks, col = i % kChunks * 8;
-    const bool ok = row < rows_left;
+    const bool ok = row < rows_left && in_cols<kCols, D>(col);
     cp_async_16(&sX[swz<D>(row, col)], gX + (ok ? row * row_stride + col : 0), ok);
   }
 }
@@ -907,10 +952,10 @@ __device__ __forceinline__ void load_rows(T* sX, const T* gX, int64_t row_stride
 // dbias alone in this mode). Each thread sums its dZ fragment over the blocks; the CTA then
 // reduces the tile over the broadcast rows and keys through shared memory, in a fixed order.
 // Same tiles and warp layout as the main kernel's S and dP.
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kHeadDimV>
 __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) dbias_kernel(const BwdParams p) {
   using Cfg = Tiles<kHeadDim>;
-  constexpr int D = kHeadDim, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  constexpr int D = Cfg::kWidth, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kMi = Cfg::kMiS;
   constexpr float kLog2e = 1.4426950408889634f;
 
@@ -927,7 +972,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) dbias_kernel(con
   const int tid = threadIdx.x;
   const Thread th(tid);
   const int g = th.g, tq = th.tq;
-  const int s_q0 = th.warp / 4 * (M / 2), s_k0 = th.warp % 4 * 32;  // the warp's S block
+  const int s_q0 = th.warp / Cfg::kWarpsKeys * Cfg::kRowsS;  // the warp's S block
+  const int s_k0 = th.warp % Cfg::kWarpsKeys * 32;
   const LdsmOffsets<D, Ldsm::kA> offA(th.lane);
   const LdsmOffsets<D, Ldsm::kB> offB(th.lane);
   const int seq_t = static_cast<int>(p.t), seq_s = static_cast<int>(p.s);
@@ -973,18 +1019,18 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) dbias_kernel(con
     }
     if (!live) continue;
     const int64_t kvh = n / G;
-    load_rows<D, N, kThreads>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride +
-                                      kvh * p.k_head_stride + n0 * p.k_row_stride,
-                              p.k_row_stride, seq_s - n0, tid);
-    load_rows<D, N, kThreads>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride +
-                                      kvh * p.v_head_stride + n0 * p.v_row_stride,
-                              p.v_row_stride, seq_s - n0, tid);
-    load_rows<D, M, kThreads>(sQ, static_cast<const T*>(p.q) + b * p.q_batch_stride +
-                                      n * p.q_head_stride + m0 * p.q_row_stride,
-                              p.q_row_stride, seq_t - m0, tid);
-    load_rows<D, M, kThreads>(sdO, static_cast<const T*>(p.dout) + b * p.do_batch_stride +
-                                       n * p.do_head_stride + m0 * p.do_row_stride,
-                              p.do_row_stride, seq_t - m0, tid);
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
+    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
+    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
+    const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + n * p.do_head_stride;
+    load_rows<D, kHeadDim, N, kThreads>(sK, gK + n0 * p.k_row_stride, p.k_row_stride,
+                                        seq_s - n0, tid);
+    load_rows<D, kHeadDimV, N, kThreads>(sV, gV + n0 * p.v_row_stride, p.v_row_stride,
+                                         seq_s - n0, tid);
+    load_rows<D, kHeadDim, M, kThreads>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride,
+                                        seq_t - m0, tid);
+    load_rows<D, kHeadDimV, M, kThreads>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride,
+                                         seq_t - m0, tid);
     if (tid < M) {
       const int64_t bnt = (b * p.n + n) * p.t + m0;
       const bool ok = m0 + tid < seq_t;
@@ -1100,13 +1146,13 @@ void launch_main(Kernel kernel, const BwdParams& p, int64_t ctas, int threads, i
 
 }  // namespace bwd
 
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_bwd(const BwdParams& p, cudaStream_t stream) {
   using Cfg = bwd::Tiles<kHeadDim>;
-  using Rows = bwd::RowChunks<kHeadDim>;
+  using Rows = bwd::RowChunks<Cfg::kWidth>;
   const int64_t rows = p.b * p.t * p.n;  // (b, t, n) rows of q, o, dq
   if (rows > 0)
-    bwd::preprocess_kernel<T, kHeadDim>
+    bwd::preprocess_kernel<T, kHeadDim, kHeadDimV>
         <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
   // Runs even when T == 0: dK, dV must then come out zero.
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
@@ -1129,10 +1175,10 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
   BwdParams pm = p;
   if (dbias_tiles) pm.dbias = nullptr;
   if (ctas > 0 && variants)
-    bwd::launch_main(bwd::main_kernel<T, kHeadDim, false, true>, pm, ctas, Cfg::kThreads,
+    bwd::launch_main(bwd::main_kernel<T, kHeadDim, kHeadDimV, false, true>, pm, ctas, Cfg::kThreads,
                      Cfg::kSmemBytes, stream);
   else if (ctas > 0)
-    bwd::launch_main(bwd::main_kernel<T, kHeadDim, kCausal, false>, p, ctas, Cfg::kThreads,
+    bwd::launch_main(bwd::main_kernel<T, kHeadDim, kHeadDimV, kCausal, false>, p, ctas, Cfg::kThreads,
                      Cfg::kSmemBytes, stream);
   if (rows > 0)
     bwd::convert_dq_kernel<T, kHeadDim>
@@ -1142,9 +1188,9 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     const int64_t tiles = p.b / p.batch_inner * (st.batch ? p.batch_inner : 1) *
                           (st.head ? p.n : 1) * (st.row ? (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM : 1) *
                           (st.col ? key_tiles : 1);
-    const int smem = (2 * Cfg::kBlockN + 2 * Cfg::kBlockM) * kHeadDim * 2 +
+    const int smem = (2 * Cfg::kBlockN + 2 * Cfg::kBlockM) * Cfg::kWidth * 2 +
                      (2 + Cfg::kBlockN) * Cfg::kBlockM * static_cast<int>(sizeof(float));
-    bwd::launch_main(bwd::dbias_kernel<T, kHeadDim>, p, tiles, Cfg::kThreads, smem, stream);
+    bwd::launch_main(bwd::dbias_kernel<T, kHeadDim, kHeadDimV>, p, tiles, Cfg::kThreads, smem, stream);
   }
   if (w.dbias_accum)
     bwd::convert_dbias_kernel<T><<<static_cast<unsigned>(min(w.dbias_accum / 256 + 1, int64_t{4096})),

@@ -29,9 +29,18 @@ inline const char* live_variant(const FwdParams& p) {
 template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_fwd(const FwdParams& p, cudaStream_t stream);
 
-// Tiles of the CUDA backward (flash_bwd.cuh Tiles): keys per CTA and queries per step.
-constexpr int kBwdBlockN = 128;
-constexpr int bwd_block_m(int64_t head_dim) { return head_dim == 64 ? 128 : 64; }
+// Tiles of the CUDA backward (flash_bwd.cuh Tiles) by head dim H: the width of its Q, K
+// tiles (H rounded up to a multiple of 64: 32 runs on 64 columns and 96 on 128, zero-padded),
+// keys per CTA and queries per step.
+constexpr int bwd_width(int64_t head_dim) { return static_cast<int>((head_dim + 63) / 64 * 64); }
+constexpr int bwd_block_n(int64_t head_dim) { return bwd_width(head_dim) <= 128 ? 128 : 64; }
+constexpr int bwd_block_m(int64_t head_dim) { return bwd_width(head_dim) == 64 ? 128 : 64; }
+// Dynamic shared memory of the backward's main kernel: K, V, 2 x Q, 2 x dO, P, dS (16-bit),
+// 2 x lse, 2 x delta (fp32).
+constexpr int bwd_smem_bytes(int64_t head_dim) {
+  const int d = bwd_width(head_dim), n = bwd_block_n(head_dim), m = bwd_block_m(head_dim);
+  return (2 * n * d + 4 * m * d + 2 * m * n) * 2 + 4 * m * 4;
+}
 
 // True when every (b, n, t, s) owns its own bias element (no broadcast dim): the backward then
 // writes each dbias element once, with no workspace.
@@ -51,7 +60,8 @@ struct BwdWorkspace {
 
 inline BwdWorkspace bwd_workspace(const BwdParams& p) {
   BwdWorkspace w;
-  const int64_t key_tiles = (p.s + kBwdBlockN - 1) / kBwdBlockN;
+  const int64_t block_n = bwd_block_n(p.h);
+  const int64_t key_tiles = (p.s + block_n - 1) / block_n;
   const int64_t block_m = bwd_block_m(p.h);
   // (deterministic: flash_bwd.cuh dbias_kernel sums a broadcast bias's dbias with no atomics)
   if (p.bias && !dbias_direct(p) && !p.deterministic) w.dbias_accum = bias_elements(p);
@@ -63,9 +73,10 @@ inline BwdWorkspace bwd_workspace(const BwdParams& p) {
   return w;
 }
 
-// p.delta (B, N, T) and p.dq_accum (B, T, N, H) must point at fp32 device workspace, and the
-// fields of bwd_workspace(p) at workspaces of those sizes. Every variant is supported.
-template <typename T, int kHeadDim, bool kCausal>
+// p.delta (B, N, T) and p.dq_accum (B, T, N, bwd_width(H)) must point at fp32 device
+// workspace, and the fields of bwd_workspace(p) at workspaces of those sizes. (kHeadDim,
+// kHeadDimV) is (H, Hv) exactly (dispatch_bwd_head_dims). Every variant is supported.
+template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_bwd(const BwdParams& p, cudaStream_t stream);
 
 }  // namespace jaxflash::cuda

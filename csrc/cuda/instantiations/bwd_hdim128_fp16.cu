@@ -3,7 +3,7 @@
 
 namespace jaxflash::cuda {
 
-template void run_bwd<__half, 128, false>(const BwdParams&, cudaStream_t);
-template void run_bwd<__half, 128, true>(const BwdParams&, cudaStream_t);
+template void run_bwd<__half, 128, 128, false>(const BwdParams&, cudaStream_t);
+template void run_bwd<__half, 128, 128, true>(const BwdParams&, cudaStream_t);
 
 }  // namespace jaxflash::cuda

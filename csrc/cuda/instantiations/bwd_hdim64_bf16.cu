@@ -3,7 +3,7 @@
 
 namespace jaxflash::cuda {
 
-template void run_bwd<__nv_bfloat16, 64, false>(const BwdParams&, cudaStream_t);
-template void run_bwd<__nv_bfloat16, 64, true>(const BwdParams&, cudaStream_t);
+template void run_bwd<__nv_bfloat16, 64, 64, false>(const BwdParams&, cudaStream_t);
+template void run_bwd<__nv_bfloat16, 64, 64, true>(const BwdParams&, cudaStream_t);
 
 }  // namespace jaxflash::cuda
