@@ -466,6 +466,11 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
   # Each block's backward is the kernel's (CPU or CUDA, segment ids included), fed the global
   # out/lse.
   cfg = A._resolve(query, value, implementation, scale, False)
+  # Where the CUDA kernels cannot take the inputs (e.g. float32), implementation=None would
+  # pick the reference for GPU blocks, whose VJP differentiates each block's own softmax:
+  # wrong gradients. Keep the CUDA kernel instead, whose handler names what it lacks on GPU.
+  if cfg.cuda == "xla":
+    cfg = dataclasses.replace(cfg, cuda="cuda")
   out, lse = _ring(query, key, value, q_segment_ids, kv_segment_ids,
                    _Ring(cfg, bool(is_causal), layout, axis_name))
   return (out, lse) if return_residual else out

@@ -324,3 +324,18 @@ def test_ring_rejects_what_it_cannot_do():
     jax.shard_map(functools.partial(jaxflash.ring_attention, axis_name="sp",
                                     implementation="xla"),
                   mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
+
+
+def test_ring_never_differentiates_blocks_through_the_reference(monkeypatch):
+  """float32 on a GPU, which the CUDA kernels refuse: with implementation=None each GPU block
+  still calls the CUDA kernels (whose handler reports the dtype) rather than the reference,
+  whose VJP would differentiate the block's own softmax."""
+  monkeypatch.setattr(_ffi, "cuda_built", lambda: True)
+  mesh = _mesh((2,), ("sp",))
+  q, k, v, _ = _inputs(90, 2, 16, 4, 2, 64, jnp.float32)
+  ring = jax.shard_map(
+      functools.partial(jaxflash.ring_attention, axis_name="sp", implementation=None),
+      mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+  loss = lambda q, k, v: jnp.sum(ring(q, k, v))
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))  # traced only
+  assert "jaxflash_fwd_cuda" in jaxpr and "jaxflash_bwd_cuda" in jaxpr
