@@ -35,31 +35,8 @@ static ffi::Error BwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_fwd_cpu, FwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .RemainingArgs()        // variant operands (VariantArgs)
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attrs<CallAttrs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_fwd_cpu, FwdCpu, bind_fwd(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_bwd_cpu, BwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // dlse
-                                  .RemainingArgs()        // variant operands (VariantArgs)
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dbias
-                                  .Ret<ffi::AnyBuffer>()  // dalibi
-                                  .Attrs<CallAttrs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_bwd_cpu, BwdCpu, bind_bwd(ffi::Ffi::Bind()));
 
 }  // namespace jaxflash

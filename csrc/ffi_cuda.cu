@@ -151,34 +151,13 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_fwd_cuda, FwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .RemainingArgs()        // variant operands (VariantArgs)
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attrs<CallAttrs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxflash_fwd_cuda, FwdCuda,
+    bind_fwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_bwd_cuda, BwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // dlse
-                                  .RemainingArgs()        // variant operands (VariantArgs)
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dbias
-                                  .Ret<ffi::AnyBuffer>()  // dalibi
-                                  .Attrs<CallAttrs>());
+                              bind_bwd(ffi::Ffi::Bind()
+                                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                           .Ctx<ffi::ScratchAllocator>()));
 
 }  // namespace jaxflash

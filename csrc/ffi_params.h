@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "params.h"
 #include "xla/ffi/api/ffi.h"
@@ -349,6 +350,37 @@ inline ffi::Error decode_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer 
   if (auto e = variant_args(variants, args); e.failure()) return e;
   if (auto e = add_variants(q, *args, at, p); e.failure()) return e;
   return add_variant_grads(*args, at, dbias, dalibi, p);
+}
+
+// The operands, results and attributes of the forward and backward calls, shared by the CPU
+// and CUDA handlers; `b` is ffi::Ffi::Bind() with the platform's context already bound.
+template <typename Binding>
+auto bind_fwd(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()                 // k
+      .template Arg<ffi::AnyBuffer>()                 // v
+      .RemainingArgs()                                // variant operands (VariantArgs)
+      .template Ret<ffi::AnyBuffer>()                 // o
+      .template Ret<ffi::AnyBuffer>()                 // lse
+      .template Attrs<CallAttrs>();
+}
+
+template <typename Binding>
+auto bind_bwd(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()                 // k
+      .template Arg<ffi::AnyBuffer>()                 // v
+      .template Arg<ffi::AnyBuffer>()                 // o
+      .template Arg<ffi::AnyBuffer>()                 // lse
+      .template Arg<ffi::AnyBuffer>()                 // dout
+      .template Arg<ffi::AnyBuffer>()                 // dlse
+      .RemainingArgs()                                // variant operands (VariantArgs)
+      .template Ret<ffi::AnyBuffer>()                 // dq
+      .template Ret<ffi::AnyBuffer>()                 // dk
+      .template Ret<ffi::AnyBuffer>()                 // dv
+      .template Ret<ffi::AnyBuffer>()                 // dbias
+      .template Ret<ffi::AnyBuffer>()                 // dalibi
+      .template Attrs<CallAttrs>();
 }
 
 }  // namespace jaxflash
