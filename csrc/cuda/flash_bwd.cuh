@@ -258,6 +258,22 @@ struct LdsmCols {
   }
 };
 
+// acc[i][2 j], acc[i][2 j + 1] += the A fragment ra[i] times the two n8 B fragments in rb[j]:
+// the mma step of every GEMM below once its k16 fragments are loaded.
+template <typename T, int kMi, int kNj2>
+__device__ __forceinline__ void mma_frags(float (&acc)[kMi][2 * kNj2][4],
+                                          const uint32_t (&ra)[kMi][4],
+                                          const uint32_t (&rb)[kNj2][4]) {
+#pragma unroll
+  for (int i = 0; i < kMi; ++i) {
+#pragma unroll
+    for (int j = 0; j < kNj2; ++j) {
+      mma_16816<T>(acc[i][2 * j], ra[i], {rb[j][0], rb[j][1]});
+      mma_16816<T>(acc[i][2 * j + 1], ra[i], {rb[j][2], rb[j][3]});
+    }
+  }
+}
+
 // acc (kMi m16 x 4 n8 tiles) += A B^T with A (16 kMi, kK) and B (32, kK) both row-major in
 // swizzled (rows, kCols) tiles at byte addresses a, b (the warp's first rows).
 template <typename T, int kMi, int kK, int kCols>
@@ -271,14 +287,7 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[kMi][4][4], uint32_t a, ui
     for (int i = 0; i < kMi; ++i) ldmatrix_x4(ra[i], a + i * 16 * kCols * 2 + off_a(kk * 16));
 #pragma unroll
     for (int j = 0; j < 2; ++j) ldmatrix_x4(rb[j], b + j * 16 * kCols * 2 + off_b(kk * 16));
-#pragma unroll
-    for (int i = 0; i < kMi; ++i) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        mma_16816<T>(acc[i][2 * j], ra[i], {rb[j][0], rb[j][1]});
-        mma_16816<T>(acc[i][2 * j + 1], ra[i], {rb[j][2], rb[j][3]});
-      }
-    }
+    mma_frags<T>(acc, ra, rb);
   }
 }
 
@@ -296,14 +305,26 @@ __device__ __forceinline__ void gemm_atb(float (&acc)[2][kNj][4], uint32_t a, ui
 #pragma unroll
     for (int j = 0; j < kNj / 2; ++j)
       ldmatrix_x4_trans(rb[j], b + kk * 16 * kColsB * 2 + off_b.v[j]);
+    mma_frags<T>(acc, ra, rb);
+  }
+}
+
+// acc (2 m16 x kNj n8 tiles) += A B with A (32, kK) row-major in a swizzled (rows, kColsA) tile
+// at byte address a (the warp's first row) and B (kK, 8 kNj) row-major in a swizzled tile at b
+// (row 0), the warp's columns folded into off_b.
+template <typename T, int kNj, int kK, int kColsA, int kColsB>
+__device__ __forceinline__ void gemm_ab(float (&acc)[2][kNj][4], uint32_t a, uint32_t b,
+                                        const LdsmOffsets<kColsA, Ldsm::kA>& off_a,
+                                        const LdsmCols<kColsB, Ldsm::kA, kNj / 2>& off_b) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t ra[2][4], rb[kNj / 2][4];
 #pragma unroll
-      for (int j = 0; j < kNj / 2; ++j) {
-        mma_16816<T>(acc[i][2 * j], ra[i], {rb[j][0], rb[j][1]});
-        mma_16816<T>(acc[i][2 * j + 1], ra[i], {rb[j][2], rb[j][3]});
-      }
-    }
+    for (int i = 0; i < 2; ++i) ldmatrix_x4(ra[i], a + i * 16 * kColsA * 2 + off_a(kk * 16));
+#pragma unroll
+    for (int j = 0; j < kNj / 2; ++j)
+      ldmatrix_x4_trans(rb[j], b + kk * 16 * kColsB * 2 + off_b.v[j]);
+    mma_frags<T>(acc, ra, rb);
   }
 }
 
@@ -822,23 +843,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       const LdsmOffsets<N, Ldsm::kA> offdS(th.lane);                   // dS as A
       const LdsmCols<D, Ldsm::kA, kNjdQ / 2> offdQ(th.lane, dq_d0);  // K as B
       float acc_dq[2][kNjdQ][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < N / 16; ++kk) {
-        uint32_t ra[2][4], rb[kNjdQ / 2][4];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) ldmatrix_x4(ra[i], adS + (dq_q0 + 16 * i) * N * 2 + offdS(kk * 16));
-#pragma unroll
-        for (int j = 0; j < kNjdQ / 2; ++j)
-          ldmatrix_x4_trans(rb[j], aK + kk * 16 * D * 2 + offdQ.v[j]);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-          for (int j = 0; j < kNjdQ / 2; ++j) {
-            mma_16816<T>(acc_dq[i][2 * j], ra[i], {rb[j][0], rb[j][1]});
-            mma_16816<T>(acc_dq[i][2 * j + 1], ra[i], {rb[j][2], rb[j][3]});
-          }
-        }
-      }
+      gemm_ab<T, kNjdQ, N, N, D>(acc_dq, adS + dq_q0 * N * 2, aK, offdS, offdQ);
       // Deterministic: this query tile's earlier key tiles add first (dq_rank), each of them
       // one add per element, so every element sums in key tile order. CTAs wait only on CTAs
       // of lower index, which the hardware starts no later than them.
