@@ -27,6 +27,11 @@ for stage in "$@"; do
           timeout 60 python3 benchmarks/profile_kernels.py --small --D $D $c --reps 1 || echo "SMOKE FAILED D=$D $c"
         done; done ;;
     tests) timeout 420 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    # the plain-attention suite on the kernels the device picks, then on the sm80 ones
+    tests-core) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention.py \
+        tests/test_transforms.py tests/test_gpu.py tests/test_errors.py 2>&1 | tee "$OUT/tests_core.log" | tail -15 ;;
+    tests-core-sm80) JAXFLASH_DISABLE_SM90=1 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_attention.py 2>&1 | tee "$OUT/tests_core_sm80.log" | tail -8 ;;
     main) timeout 300 python3 -m jaxflash 2>&1 | tee "$OUT/main.log" | grep -v "\]" ;;
     bench-quick) timeout 300 python3 benchmarks/bench.py --dims 128 --seqlens 4096 --out "$OUT" \
         --commit "$COMMIT" --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;

@@ -5,7 +5,8 @@ set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_ARCHITECTURES ${JAXFLASH_CUDA_ARCHS})
 
 # A head dim d brings its forward kernels (fwd_hdim<d>_*, and fwd_hdim<d>x<Hv>_* for a
-# narrower value head dim, e.g. the MLA 192x128), its sm90 forward where there is one, and
+# narrower value head dim, e.g. the MLA 192x128), its sm90 forward and backward where there
+# are, and
 # its backward (bwd_hdim<d>_*, bwd_hdim<d>x<Hv>_*) where there is one; csrc/cuda/dispatch.h
 # gets both lists.
 set(_cuda_sources csrc/ffi_cuda.cu)
@@ -18,7 +19,7 @@ foreach(hdim ${JAXFLASH_HEAD_DIMS})
   if(NOT _fwd)
     message(FATAL_ERROR "jaxflash: no CUDA kernels for head dim ${hdim}")
   endif()
-  file(GLOB _sm90 "${_inst_dir}/fwd_sm90_hdim${hdim}_*.cu")
+  file(GLOB _sm90 "${_inst_dir}/fwd_sm90_hdim${hdim}_*.cu" "${_inst_dir}/bwd_sm90_hdim${hdim}_*.cu")
   file(GLOB _bwd "${_inst_dir}/bwd_hdim${hdim}_*.cu" "${_inst_dir}/bwd_hdim${hdim}x*.cu")
   list(APPEND _cuda_sources ${_fwd} ${_sm90} ${_bwd})
   string(APPEND _fwd_hdims ",${hdim}")
@@ -38,7 +39,7 @@ target_include_directories(_jaxflash_ext PRIVATE "${CMAKE_CURRENT_BINARY_DIR}")
 set_source_files_properties(csrc/module.cc PROPERTIES
   COMPILE_OPTIONS "-include;${CMAKE_CURRENT_BINARY_DIR}/jaxflash_build_info.h")
 target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_WITH_CUDA)
-# The sm90 forward (wgmma, setmaxnreg) needs the arch-specific sm_90a target.
+# The sm90 kernels (wgmma, setmaxnreg) need the arch-specific sm_90a target.
 if("90a" IN_LIST JAXFLASH_CUDA_ARCHS)
   target_compile_definitions(_jaxflash_ext PRIVATE JAXFLASH_SM90)
 endif()

@@ -66,7 +66,7 @@ struct BwdLaunch {
   cudaStream_t stream;
   template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
   void operator()() const {
-    cuda::run_bwd<T, kHeadDim, kHeadDimV, kCausal>(p, stream);
+    cuda::run_bwd_best<T, kHeadDim, kHeadDimV, kCausal>(p, stream);  // sm90 where it applies
   }
 };
 

@@ -1149,16 +1149,32 @@ void launch_main(Kernel kernel, const BwdParams& p, int64_t ctas, int threads, i
   kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(p);
 }
 
+// The passes before and after the main kernel (also the sm90 backward's):
+// delta and dq_accum = 0, then dq from dq_accum.
+template <typename T, int kHeadDim, int kHeadDimV>
+void launch_preprocess(const BwdParams& p, cudaStream_t stream) {
+  using Rows = RowChunks<Tiles<kHeadDim>::kWidth>;
+  const int64_t rows = p.b * p.t * p.n;  // (b, t, n) rows of q, o, dq
+  if (rows > 0)
+    preprocess_kernel<T, kHeadDim, kHeadDimV>
+        <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
+}
+
+template <typename T, int kHeadDim>
+void launch_convert_dq(const BwdParams& p, cudaStream_t stream) {
+  using Rows = RowChunks<Tiles<kHeadDim>::kWidth>;
+  const int64_t rows = p.b * p.t * p.n;
+  if (rows > 0)
+    convert_dq_kernel<T, kHeadDim>
+        <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
+}
+
 }  // namespace bwd
 
 template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_bwd(const BwdParams& p, cudaStream_t stream) {
   using Cfg = bwd::Tiles<kHeadDim>;
-  using Rows = bwd::RowChunks<Cfg::kWidth>;
-  const int64_t rows = p.b * p.t * p.n;  // (b, t, n) rows of q, o, dq
-  if (rows > 0)
-    bwd::preprocess_kernel<T, kHeadDim, kHeadDimV>
-        <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
+  bwd::launch_preprocess<T, kHeadDim, kHeadDimV>(p, stream);
   // Runs even when T == 0: dK, dV must then come out zero.
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t ctas = key_tiles * p.kh * p.b;
@@ -1185,9 +1201,7 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
   else if (ctas > 0)
     bwd::launch_main(bwd::main_kernel<T, kHeadDim, kHeadDimV, kCausal, false>, p, ctas, Cfg::kThreads,
                      Cfg::kSmemBytes, stream);
-  if (rows > 0)
-    bwd::convert_dq_kernel<T, kHeadDim>
-        <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
+  bwd::launch_convert_dq<T, kHeadDim>(p, stream);
   if (dbias_tiles) {
     const BcastStrides& st = p.bias_strides;
     const int64_t tiles = p.b / p.batch_inner * (st.batch ? p.batch_inner : 1) *

@@ -405,55 +405,6 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver, found once through the runtime so that the
-// extension does not link libcuda; null when the driver lacks it.
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-inline EncodeTiledFn encode_tiled() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      return EncodeTiledFn{nullptr};
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
-
-// The (H, heads, L, B) view of a BTNH (or BSKH) tensor, innermost first, and a box of
-// (64, 1, box_rows, 1): box_rows rows of one (batch, head), 128 bytes of each, swizzled.
-// Rows past L read as zeros and never cross into the next batch.
-template <typename T>
-bool encode_btnh(CUtensorMap* map, const void* ptr, int64_t h, int64_t heads, int64_t len,
-                 int64_t batch, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
-                 int box_rows) {
-  const EncodeTiledFn fn = encode_tiled();
-  if (fn == nullptr) return false;
-  constexpr int64_t kBytes = sizeof(T);
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(h), static_cast<cuuint64_t>(heads),
-                              static_cast<cuuint64_t>(len), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_stride * kBytes),
-                                 static_cast<cuuint64_t>(row_stride * kBytes),
-                                 static_cast<cuuint64_t>(batch_stride * kBytes)};
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType dtype = std::is_same_v<T, __nv_bfloat16>
-                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return fn(map, dtype, 4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-}  // namespace sm90
-
-namespace sm90 {
-
 template <typename T, int kHeadDim, bool kCausal, bool kRules>
 bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdCfgSm90<T, kHeadDim, kCausal || kRules>;

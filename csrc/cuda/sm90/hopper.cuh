@@ -1,13 +1,17 @@
 // Thin wrappers over the sm90 PTX the Hopper kernels are built from: mbarrier, TMA
 // (cp.async.bulk.tensor), wgmma fences and shared-memory matrix descriptors, setmaxnreg,
-// named barriers. Addresses are shared-window byte addresses (smem_addr in ../mma.cuh).
-// Callers compile these only under __CUDA_ARCH_FEAT_SM90_ALL (sm_90a).
+// named barriers; and on the host, the TMA descriptors of BTNH tensors. Addresses are
+// shared-window byte addresses (smem_addr in ../mma.cuh). Callers compile the device functions
+// only under __CUDA_ARCH_FEAT_SM90_ALL (sm_90a).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a 128-byte opaque struct; no libcuda call here)
 #include <cuda_runtime.h>
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
+#include <type_traits>
 
 namespace jaxflash::cuda::sm90 {
 
@@ -111,6 +115,12 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy (wgmma,
+// TMA) reads of them, once a barrier has passed.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // bar.sync on hardware barrier `id` (1..15; 0 is __syncthreads) for `threads` threads.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -119,6 +129,53 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 // bar.arrive: counts this thread towards barrier `id` without waiting for it.
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- TMA descriptors (host) ----
+
+// cuTensorMapEncodeTiled from the driver, found once through the runtime so that the
+// extension does not link libcuda; null when the driver lacks it.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return EncodeTiledFn{nullptr};
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// The (H, heads, L, B) view of a BTNH (or BSKH) tensor, innermost first, and a box of
+// (64, 1, box_rows, 1): box_rows rows of one (batch, head), 128 bytes of each, swizzled.
+// Rows past L read as zeros and never cross into the next batch.
+template <typename T>
+bool encode_btnh(CUtensorMap* map, const void* ptr, int64_t h, int64_t heads, int64_t len,
+                 int64_t batch, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
+                 int box_rows) {
+  const EncodeTiledFn fn = encode_tiled();
+  if (fn == nullptr) return false;
+  constexpr int64_t kBytes = sizeof(T);
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(h), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(len), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_stride * kBytes),
+                                 static_cast<cuuint64_t>(row_stride * kBytes),
+                                 static_cast<cuuint64_t>(batch_stride * kBytes)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType dtype = std::is_same_v<T, __nv_bfloat16>
+                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return fn(map, dtype, 4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace jaxflash::cuda::sm90

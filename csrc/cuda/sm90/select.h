@@ -1,8 +1,9 @@
-// Chooses between the sm90 (TMA + wgmma) forward and the sm80 (mma.sync) one at run time.
-// The sm90 kernel is compiled only when the build targets sm_90a (JAXFLASH_SM90, set by
-// cmake/cuda.cmake) and runs only on a cc 9.x device, for plain attention (no variant) with
-// at least one key, at H == Hv in {64, 128}. JAXFLASH_DISABLE_SM90=1 forces the sm80 kernel
-// (A/B benchmarking).
+// Chooses between the sm90 (TMA + wgmma) kernels and the sm80 (mma.sync) ones at run time.
+// The sm90 kernels are compiled only when the build targets sm_90a (JAXFLASH_SM90, set by
+// cmake/cuda.cmake) and run only on a cc 9.x device at H == Hv in {64, 128}: the forward for
+// plain attention and the key-range rules (sm90_rules_only) with at least one key, the
+// backward for plain attention (no variant, not deterministic) with T, S > 0.
+// JAXFLASH_DISABLE_SM90=1 forces the sm80 kernels (A/B benchmarking).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,6 +22,9 @@ namespace jaxflash::cuda {
 // Defined in sm90/flash_fwd_sm90.cuh; false when nothing was launched (no TMA descriptors).
 template <typename T, int kHeadDim, bool kCausal>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+// Defined in sm90/flash_bwd_sm90.cuh; false when nothing was launched.
+template <typename T, int kHeadDim, bool kCausal>
+bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream);
 
 // Compute capability major of the current device, queried once per device.
 inline int current_cc_major() {
@@ -64,6 +68,15 @@ inline bool use_fwd_sm90(const FwdParams& p) {
   return !sm90_disabled_by_env() && p.s > 0 && sm90_rules_only(p) && tma_strides_ok(p) &&
          p.b < (int64_t{1} << 31) && current_cc_major() == 9;
 }
+
+inline bool use_bwd_sm90(const BwdParams& p) {
+  bool do_ok = true;
+  for (int64_t st : {p.do_head_stride, p.do_row_stride, p.do_batch_stride})
+    do_ok = do_ok && st > 0 && (2 * st) % 16 == 0 && 2 * st < (int64_t{1} << 40);
+  return !sm90_disabled_by_env() && p.s > 0 && p.t > 0 && !live_variant(p) &&
+         !p.deterministic && tma_strides_ok(p) && do_ok && p.b < (int64_t{1} << 31) &&
+         current_cc_major() == 9;
+}
 #endif
 
 // The head dims the sm90 kernel has (instantiations/fwd_sm90_hdim<d>_*, compiled with d):
@@ -74,6 +87,19 @@ constexpr bool has_fwd_sm90() {
          contains(FwdHeadDims{}, kHeadDim);
 }
 
+template <int kHeadDim, int kHeadDimV>
+constexpr bool has_bwd_sm90() {
+  return kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128) &&
+         contains(BwdHeadDims{}, kHeadDim);
+}
+
+// Warns once per process that the TMA descriptors could not be built.
+inline void warn_no_tma(const char* direction) {
+  static std::atomic<bool> warned{false};
+  if (!warned.exchange(true))
+    std::fprintf(stderr, "jaxflash: cannot build TMA descriptors; using the sm80 %s\n", direction);
+}
+
 // The forward the handler launches: sm90 where it applies, else sm80.
 template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_fwd_best(const FwdParams& p, cudaStream_t stream) {
@@ -81,13 +107,25 @@ void run_fwd_best(const FwdParams& p, cudaStream_t stream) {
   if constexpr (has_fwd_sm90<kHeadDim, kHeadDimV>()) {
     if (p.hv == kHeadDimV && use_fwd_sm90(p)) {
       if (run_fwd_sm90<T, kHeadDim, kCausal>(p, stream)) return;
-      static std::atomic<bool> warned{false};
-      if (!warned.exchange(true))
-        std::fprintf(stderr, "jaxflash: cannot build TMA descriptors; using the sm80 forward\n");
+      warn_no_tma("forward");
     }
   }
 #endif
   run_fwd<T, kHeadDim, kHeadDimV, kCausal>(p, stream);
+}
+
+// The backward the handler launches: sm90 where it applies, else sm80.
+template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
+void run_bwd_best(const BwdParams& p, cudaStream_t stream) {
+#ifdef JAXFLASH_SM90
+  if constexpr (has_bwd_sm90<kHeadDim, kHeadDimV>()) {
+    if (p.hv == kHeadDimV && use_bwd_sm90(p)) {
+      if (run_bwd_sm90<T, kHeadDim, kCausal>(p, stream)) return;
+      warn_no_tma("backward");
+    }
+  }
+#endif
+  run_bwd<T, kHeadDim, kHeadDimV, kCausal>(p, stream);
 }
 
 }  // namespace jaxflash::cuda

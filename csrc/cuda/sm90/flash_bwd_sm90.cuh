@@ -1,0 +1,378 @@
+// FlashAttention-3-style backward for Hopper (sm_90a): TMA loads, wgmma, warp specialization.
+// The passes around the main kernel are the sm80 backward's (../flash_bwd.cuh): delta and
+// dq_accum = 0 before, dq = scale * dq_accum after.
+//
+// A CTA of 3 warpgroups is K/V-stationary: it owns kBlockN = 128 keys of one (batch b, kv head)
+// and loops over the query heads of its group and their (kBlockM, H) query tiles:
+//   - warpgroup 0, the producer: one warp loads K, V once and then each step's Q, dO tiles by
+//     TMA into a 2-stage ring, with the step's lse (in log2 units) and delta rows beside them;
+//   - warpgroups 1 and 2, the consumers, own 64 keys each (wgmma's M) and keep their dK, dV
+//     accumulators in registers. Per step, with the keys as rows (the "transposed" products,
+//     so that P^T and dS^T come out of the accumulators as the A operands of dV and dK):
+//       S^T = K Q^T, dP^T = V dO^T                       (64, kBlockM), A and B from smem
+//       P^T = 2^(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - delta)   (registers)
+//       dV += P^T dO, dK += dS^T Q                       (64, H), A from registers
+//       dQ = dS K over both warpgroups' 128 keys         (64, 64) per warpgroup, dS^T through
+//                                                        smem, both operands MN-major
+//     and add dQ into dq_accum with fp32 vector atomics (rows past T dropped).
+//   H = 128 runs kBlockM = 64 (the warpgroups split dQ's columns), H = 64 kBlockM = 128 (they
+//   split its rows): every wgmma has N >= 64 and the dQ split falls on whole swizzle atoms.
+// Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is
+// cols / 64 column blocks of (rows, 64), each row 128 bytes with chunk c at c ^ (row % 8).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../../params.h"
+#include "../flash_bwd.cuh"
+#include "../mma.cuh"
+#include "hopper.cuh"
+#include "wgmma_gen.h"
+
+namespace jaxflash::cuda {
+namespace sm90 {
+
+template <typename T, int kHeadDim>
+struct BwdCfgSm90 {
+  static constexpr int kBlockN = 128;                        // keys per CTA: 2 x 64
+  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // queries per step
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // K or V
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);   // one Q or dO stage
+  static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T buffer
+  // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kStages], sdS[2],
+  // lse[kStages], delta[kStages] (kBlockM floats each), then the mbarriers kv, full[kStages],
+  // empty[kStages].
+  static constexpr uint32_t kOffK = 0;
+  static constexpr uint32_t kOffV = kOffK + kKVBytes;
+  static constexpr uint32_t kOffQ = kOffV + kKVBytes;
+  static constexpr uint32_t kOffDO = kOffQ + kStages * kQBytes;
+  static constexpr uint32_t kOffDS = kOffDO + kStages * kQBytes;
+  static constexpr uint32_t kOffLse = kOffDS + 2 * kDSBytes;
+  static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
+  static constexpr uint32_t kOffBar = kOffDelta + kStages * kBlockM * 4;
+  static constexpr int kSmemBytes = kOffBar + (1 + 2 * kStages) * 8 + 1024;
+
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 backward head dims");
+  static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
+};
+
+template <typename T, int kHeadDim, bool kCausal>
+__global__ void __launch_bounds__(384, 1)
+    flash_bwd_sm90_kernel(const BwdParams p, const __grid_constant__ CUtensorMap tma_q,
+                          const __grid_constant__ CUtensorMap tma_k,
+                          const __grid_constant__ CUtensorMap tma_v,
+                          const __grid_constant__ CUtensorMap tma_do, int key_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = BwdCfgSm90<T, kHeadDim>;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+  constexpr uint32_t kRowBytes = Cfg::kRowBytes;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const uint32_t sK = base + Cfg::kOffK;    // (H / 64, kBlockN, 64)
+  const uint32_t sV = base + Cfg::kOffV;    // (H / 64, kBlockN, 64)
+  const uint32_t sQ = base + Cfg::kOffQ;    // (kStages, H / 64, kBlockM, 64)
+  const uint32_t sdO = base + Cfg::kOffDO;  // (kStages, H / 64, kBlockM, 64)
+  const uint32_t sdS = base + Cfg::kOffDS;  // (2, kBlockM / 64, kBlockN, 64): dS^T
+  float* sLse = reinterpret_cast<float*>(smem + Cfg::kOffLse);      // (kStages, kBlockM)
+  float* sDelta = reinterpret_cast<float*>(smem + Cfg::kOffDelta);  // (kStages, kBlockM)
+  const uint32_t bar_kv = base + Cfg::kOffBar;
+  const uint32_t bar_full = bar_kv + 8;                 // full[stage] at + 8 * stage
+  const uint32_t bar_empty = bar_full + 8 * kStages;    // empty[stage]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // blockIdx.x enumerates (b, kv head, key tile), key tile fastest: the CTAs of one kv head
+  // read the same Q, dO tiles close together in time (L2).
+  const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
+  const int n0 = static_cast<int>(blockIdx.x % key_tiles) * kBlockN;
+  const int64_t bkh = blockIdx.x / key_tiles;
+  const int64_t kvh = bkh % p.kh, b = bkh / p.kh;
+  const int group = static_cast<int>(p.n / p.kh);
+  const int m_tiles = (t_len + kBlockM - 1) / kBlockM;
+  // Causal: query tile m sees this key tile iff its last query m0 + kBlockM - 1 >= n0.
+  const int m_first = kCausal ? min(n0 / kBlockM, m_tiles) : 0;
+  const int steps_per_head = m_tiles - m_first;
+  const int n_steps = group * steps_per_head;
+  // Step it: query head kvh * group + it / steps_per_head, query tile m_first + it % steps.
+  auto step_head = [&](int it) { return kvh * group + it / steps_per_head; };
+  auto step_m0 = [&](int it) { return (m_first + it % steps_per_head) * kBlockM; };
+
+  if (tid == 0) {
+    mbar_init(bar_kv, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full + 8 * s, 32);  // every lane of the producer warp (lse, delta rows)
+      mbar_init(bar_empty + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (warp == 0) {
+      const int ci_kvh = static_cast<int>(kvh), ci_b = static_cast<int>(b);
+      if (lane == 0) {
+        tma_prefetch_desc(&tma_q);
+        tma_prefetch_desc(&tma_k);
+        tma_prefetch_desc(&tma_v);
+        tma_prefetch_desc(&tma_do);
+        mbar_arrive_expect_tx(bar_kv, 2 * Cfg::kKVBytes);
+#pragma unroll
+        for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+          tma_load_4d(sK + cb * kBlockN * kRowBytes, &tma_k, bar_kv, cb * 64, ci_kvh, n0, ci_b);
+          tma_load_4d(sV + cb * kBlockN * kRowBytes, &tma_v, bar_kv, cb * 64, ci_kvh, n0, ci_b);
+        }
+      }
+      for (int it = 0; it < n_steps; ++it) {
+        const int s = it % kStages;
+        const int64_t n = step_head(it);
+        const int m0 = step_m0(it);
+        // Stage s last held step it - kStages: wait until both consumers released it.
+        if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
+        // Rows past T: lse = +inf gives P = 0 there (their Q, dO are TMA's zeros).
+        const int64_t row0 = (b * p.n + n) * p.t;
+        for (int r = lane; r < kBlockM; r += 32) {
+          const bool valid = m0 + r < t_len;
+          sLse[s * kBlockM + r] = valid ? p.lse[row0 + m0 + r] * kLog2e : INFINITY;
+          sDelta[s * kBlockM + r] = valid ? p.delta[row0 + m0 + r] : 0.f;
+        }
+        const uint32_t full = bar_full + 8 * s;
+        if (lane == 0) {
+          mbar_arrive_expect_tx(full, 2 * Cfg::kQBytes);
+          const uint32_t stage = s * Cfg::kQBytes;
+          const int ci_n = static_cast<int>(n);
+#pragma unroll
+          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+            tma_load_4d(sQ + stage + cb * kBlockM * kRowBytes, &tma_q, full, cb * 64, ci_n, m0, ci_b);
+            tma_load_4d(sdO + stage + cb * kBlockM * kRowBytes, &tma_do, full, cb * 64, ci_n, m0, ci_b);
+          }
+        } else {
+          mbar_arrive(full);
+        }
+      }
+    }
+  } else {
+    setmaxnreg_inc<Cfg::kConsumerRegs>();
+    const int cw = warp / 4 - 1;  // consumer warpgroup: keys 64 cw .. 64 cw + 63 of the tile
+    const int wi = warp % 4;      // warp in the warpgroup: accumulator rows 16 wi .. 16 wi + 15
+    const int g = lane / 4, tig = lane % 4;
+    // Accumulator element 4 i + c sits at row 16 wi + g + 8 (c / 2), column 8 i + 2 tig + c % 2.
+    constexpr int kNS = kBlockM / 2;   // S^T, dP^T floats per thread: (64, kBlockM) / 128
+    constexpr int kNKV = kHeadDim / 2; // dK, dV floats per thread: (64, H) / 128
+    constexpr int kKM = kBlockM / 16;  // k16 steps of dV, dK (over the queries)
+    // dQ of this warpgroup: (64, 64) at query row dq_row0, column dq_col0 of the step's tile.
+    const int dq_row0 = kHeadDim == 64 ? 64 * cw : 0, dq_col0 = kHeadDim == 128 ? 64 * cw : 0;
+    const int key_row = n0 + 64 * cw + 16 * wi + g;  // this thread's keys: key_row, key_row + 8
+
+    float acc_dv[kNKV], acc_dk[kNKV];
+#pragma unroll
+    for (int i = 0; i < kNKV; ++i) acc_dv[i] = acc_dk[i] = 0.f;
+    const uint32_t k_rows = sK + 64 * cw * kRowBytes, v_rows = sV + 64 * cw * kRowBytes;
+    mbar_wait(bar_kv, 0);
+
+    for (int it = 0; it < n_steps; ++it) {
+      const int s = it % kStages;
+      const int64_t n = step_head(it);
+      const int m0 = step_m0(it);
+      const uint32_t sQ_s = sQ + s * Cfg::kQBytes, sdO_s = sdO + s * Cfg::kQBytes;
+      mbar_wait(bar_full + 8 * s, (it / kStages) & 1);
+
+      // S^T = K Q^T and dP^T = V dO^T: K = H in k16 steps, both operands K-major.
+      float acc_s[kNS], acc_dp[kNS];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const uint32_t col = (kk % 4) * 32, cb = kk / 4;
+        Wgmma<kBlockM>::template ss<T>(
+            acc_s, sw128_desc(k_rows + cb * kBlockN * kRowBytes + col, 16, 1024),
+            sw128_desc(sQ_s + cb * kBlockM * kRowBytes + col, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const uint32_t col = (kk % 4) * 32, cb = kk / 4;
+        Wgmma<kBlockM>::template ss<T>(
+            acc_dp, sw128_desc(v_rows + cb * kBlockN * kRowBytes + col, 16, 1024),
+            sw128_desc(sdO_s + cb * kBlockM * kRowBytes + col, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+
+      // P^T = 2^(S^T scale_log2 - lse_log2[q]), 0 at keys >= S and, under causal, at keys
+      // past the query; only warps whose 16 keys reach past S or past the step's first query
+      // test elements.
+      const float* lse = sLse + s * kBlockM;
+      const float* delta = sDelta + s * kBlockM;
+      const int warp_last_key = n0 + 64 * cw + 16 * wi + 15;
+      const bool edge = warp_last_key >= s_len || (kCausal && warp_last_key > m0);
+      wgmma_wait<1>();
+      fence_regs(acc_s);
+#pragma unroll
+      for (int i = 0; i < kNS / 4; ++i) {
+        const float2 l = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * tig);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float x = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -(c % 2 ? l.y : l.x)));
+          if (edge) {
+            const int key = key_row + 8 * (c / 2), q = m0 + 8 * i + 2 * tig + c % 2;
+            if (key >= s_len || (kCausal && key > q)) x = 0.f;
+          }
+          acc_s[4 * i + c] = x;
+        }
+      }
+      wgmma_wait<0>();
+      fence_regs(acc_dp);
+      // dS^T = P^T (dP^T - delta[q]); P^T and dS^T as wgmma A fragments (k16 step kk is
+      // accumulator columns 16 kk .. 16 kk + 15, elements 8 kk .. 8 kk + 7).
+      uint32_t rP[kKM][4], rdS[kKM][4];
+#pragma unroll
+      for (int i = 0; i < kNS / 4; ++i) {
+        const float2 d = *reinterpret_cast<const float2*>(delta + 8 * i + 2 * tig);
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          acc_dp[4 * i + c] = acc_s[4 * i + c] * (acc_dp[4 * i + c] - (c % 2 ? d.y : d.x));
+      }
+#pragma unroll
+      for (int kk = 0; kk < kKM; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          rP[kk][r] = pack2<T>(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+          rdS[kk][r] = pack2<T>(acc_dp[8 * kk + 2 * r], acc_dp[8 * kk + 2 * r + 1]);
+        }
+
+      // dV += P^T dO, dK += dS^T Q: K = kBlockM queries in k16 steps of 16 rows (2 swizzle
+      // atoms); B MN-major (N = H contiguous), its column blocks kBlockM * 128 bytes apart.
+      fence_regs(acc_dv);
+      fence_regs(acc_dk);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kKM; ++kk)
+        Wgmma<kHeadDim>::template rs<T>(
+            acc_dv, rP[kk], sw128_desc(sdO_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
+#pragma unroll
+      for (int kk = 0; kk < kKM; ++kk)
+        Wgmma<kHeadDim>::template rs<T>(
+            acc_dk, rdS[kk], sw128_desc(sQ_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
+      wgmma_commit();
+
+      // dS^T into shared buffer it % 2, rows = keys. The other warpgroup last read this buffer
+      // in its dQ of step it - 2, which it waited for before the barrier of step it - 1: one
+      // barrier per step suffices.
+      const uint32_t sdS_b = sdS + (it % 2) * Cfg::kDSBytes;
+#pragma unroll
+      for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 64 * cw + 16 * wi + g + 8 * h;
+          const uint32_t off = (i / 8) * kBlockN * kRowBytes + row * kRowBytes +
+                               (((i % 8) ^ (row % 8)) * 16) + tig * 4;
+          bwd::sts_u32(sdS_b + off, rdS[i / 2][2 * (i % 2) + h]);
+        }
+      fence_proxy_async();
+      named_barrier_sync(1, 256);
+
+      // dQ = dS K: (64, 64) per warpgroup, K = 128 keys in k16 steps of 16 rows; A = dS^T's
+      // column block dq_row0 / 64 read MN-major (M = queries contiguous), B = K's column block
+      // dq_col0 / 64 read MN-major (N = H contiguous).
+      float acc_dq[32];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        Wgmma<64>::template tt<T>(
+            acc_dq,
+            sw128_desc(sdS_b + (dq_row0 / 64) * kBlockN * kRowBytes + kk * 16 * kRowBytes,
+                       kBlockN * kRowBytes, 1024),
+            sw128_desc(sK + (dq_col0 / 64) * kBlockN * kRowBytes + kk * 16 * kRowBytes,
+                       kBlockN * kRowBytes, 1024),
+            kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc_dq);
+      fence_regs(acc_dv);
+      fence_regs(acc_dk);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+
+      // dq_accum[b, m0 + row, n, col] += dQ (rows (b, t, n) of bwd_width(H) = H floats).
+      constexpr int kWidth = kHeadDim;
+      float* gdq = p.dq_accum + ((b * p.t + m0 + dq_row0) * p.n + n) * kWidth + dq_col0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * wi + g + 8 * h;
+        if (m0 + dq_row0 + row < t_len) {
+          float* dst = gdq + static_cast<int64_t>(row) * p.n * kWidth + 2 * tig;
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            bwd::atomic_add2(dst + 8 * i, acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
+        }
+      }
+    }
+
+    // dK = scale * acc_dk, dV = acc_dv in the input dtype; keys past S are not stored.
+    T* gdk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride;
+    T* gdv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = key_row + 8 * h;
+      if (key < s_len) {
+#pragma unroll
+        for (int i = 0; i < kNKV / 4; ++i) {
+          const int col = 8 * i + 2 * tig;
+          *reinterpret_cast<uint32_t*>(gdk + key * p.dk_row_stride + col) =
+              pack2<T>(acc_dk[4 * i + 2 * h] * p.scale, acc_dk[4 * i + 2 * h + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(gdv + key * p.dv_row_stride + col) =
+              pack2<T>(acc_dv[4 * i + 2 * h], acc_dv[4 * i + 2 * h + 1]);
+        }
+      }
+    }
+  }
+#else
+  __trap();  // only the sm_90a build of this kernel is ever launched (see select.h)
+#endif
+}
+
+}  // namespace sm90
+
+// The sm90 backward on `stream`: preprocess, the main kernel above, convert; false (nothing
+// launched) when the TMA descriptors cannot be built. Preconditions (select.h use_bwd_sm90):
+// a cc 9.x device, plain attention (no variant, not deterministic), H == Hv == kHeadDim,
+// T, S > 0.
+template <typename T, int kHeadDim, bool kCausal>
+bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = sm90::BwdCfgSm90<T, kHeadDim>;
+  CUtensorMap tma_q, tma_k, tma_v, tma_do;
+  if (!sm90::encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
+                            p.q_batch_stride, Cfg::kBlockM) ||
+      !sm90::encode_btnh<T>(&tma_do, p.dout, p.hv, p.n, p.t, p.b, p.do_head_stride,
+                            p.do_row_stride, p.do_batch_stride, Cfg::kBlockM) ||
+      !sm90::encode_btnh<T>(&tma_k, p.k, p.h, p.kh, p.s, p.b, p.k_head_stride, p.k_row_stride,
+                            p.k_batch_stride, Cfg::kBlockN) ||
+      !sm90::encode_btnh<T>(&tma_v, p.v, p.hv, p.kh, p.s, p.b, p.v_head_stride, p.v_row_stride,
+                            p.v_batch_stride, Cfg::kBlockN))
+    return false;
+  bwd::launch_preprocess<T, kHeadDim, kHeadDim>(p, stream);
+  const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
+  auto kernel = sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal>;
+  // A failure shows up in the caller's cudaGetLastError().
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Cfg::kSmemBytes) == cudaSuccess)
+    kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+        p, tma_q, tma_k, tma_v, tma_do, static_cast<int>(key_tiles));
+  bwd::launch_convert_dq<T, kHeadDim>(p, stream);
+  return true;
+}
+
+}  // namespace jaxflash::cuda
