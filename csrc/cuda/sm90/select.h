@@ -1,8 +1,8 @@
 // Chooses between the sm90 (TMA + wgmma) forward and the sm80 (mma.sync) one at run time.
 // The sm90 kernel is compiled only when the build targets sm_90a (JAXFLASH_SM90, set by
-// cmake/cuda.cmake) and runs only on a cc 9.x device, for plain attention (no variant) with
-// at least one key, at H == Hv in {64, 128}. JAXFLASH_DISABLE_SM90=1 forces the sm80 kernel
-// (A/B benchmarking).
+// cmake/cuda.cmake) and runs only on a cc 9.x device, for attention with at least one key at
+// H == Hv in {64, 128} whose variants are only the rules below. JAXFLASH_DISABLE_SM90=1 forces
+// the sm80 kernel (A/B benchmarking).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -53,11 +53,11 @@ inline bool tma_strides_ok(const FwdParams& p) {
   return true;
 }
 
-// Of the variants, the sm90 kernel runs the rules that only cut each query row's key range
-// (lengths, window, causal alignment); the others need per-element operands (sm80).
+// Of the variants, the sm90 kernel runs the rules that hide whole regions of keys: lengths,
+// window and causal alignment cut each query row's key range, segment ids the key tiles
+// whose ids a query tile does not have. The others need per-element operands (sm80).
 inline bool sm90_rules_only(const FwdParams& p) {
-  return !p.bias && !p.mask && !p.q_segment_ids && !p.alibi_slopes && !p.dropout_seeds &&
-         !(p.softcap > 0.f);
+  return !p.bias && !p.mask && !p.alibi_slopes && !p.dropout_seeds && !(p.softcap > 0.f);
 }
 
 inline bool use_fwd_sm90(const FwdParams& p) {
