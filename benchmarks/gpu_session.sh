@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
-# (tests, main, bench, bench-quick, masked, sharding, sanitize, sanitize-hdims, ...), each
-# logged under $OUT.
+# (tests, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg, sanitize-hdims,
+# ...), each logged under $OUT.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
 # jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so.
 set -uo pipefail
@@ -54,6 +54,10 @@ for stage in "$@"; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --small --D $D $c --reps 1 2>&1 | tail -2 \
             | sed "s/^/$tool D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
+    sanitize-seg) for tool in memcheck racecheck; do for D in 64 128; do for c in "" --causal; do
+          timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
+            benchmarks/profile_kernels.py --segments --D $D $c --reps 1 2>&1 | tail -2 \
+            | sed "s/^/$tool segments D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
     sanitize-hdims) for DDv in "32 32" "96 96" "192 192" "256 256" "192 128" "128 64"; do
         read -r D Dv <<< "$DDv"; for tool in memcheck racecheck; do for c in "" --causal; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \

@@ -4,6 +4,7 @@ only at head dims the CUDA backward lacks).
   ncu --kernel-name regex:'flash_fwd_kernel|main_kernel' --launch-skip 2 --launch-count 2 \
       --set full -o prof python benchmarks/profile_kernels.py --D 128 --S 4096
   compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --small
+  compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --segments
 """
 
 import argparse
@@ -20,10 +21,17 @@ p.add_argument("--Dv", type=int, default=None, help="value head dim (default: D)
 p.add_argument("--S", type=int, default=4096)
 p.add_argument("--causal", action="store_true")
 p.add_argument("--small", action="store_true", help="a tiny ragged GQA problem (sanitizers)")
+p.add_argument("--segments", action="store_true",
+               help="a ragged GQA problem over several key tiles with segment ids of 3 packed "
+                    "documents, one query document absent from the keys (sanitizers)")
 p.add_argument("--reps", type=int, default=2)
 a = p.parse_args()
-B, T, S, N, K, D = (1, 77, 45, 4, 2, a.D) if a.small else (16384 // a.S, a.S, a.S, 2048 // a.D,
-                                                             2048 // a.D, a.D)
+B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small else (2, 300, 700, 4, 2, a.D) if a.segments
+                    else (16384 // a.S, a.S, a.S, 2048 // a.D, 2048 // a.D, a.D))
+ids = {}
+if a.segments:
+  docs = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * 3 // n, (B, n))
+  ids = dict(query_segment_ids=docs(T), key_value_segment_ids=jnp.where(docs(S) == 1, 7, docs(S)))
 keys = jax.random.split(jax.random.PRNGKey(0), 4)
 q = jax.random.normal(keys[0], (B, T, N, D), jnp.bfloat16)
 k = jax.random.normal(keys[1], (B, S, K, D), jnp.bfloat16)
@@ -31,7 +39,8 @@ Dv = a.Dv or D
 v = jax.random.normal(keys[2], (B, S, K, Dv), jnp.bfloat16)
 dout = jax.random.normal(keys[3], (B, T, N, Dv), jnp.bfloat16)
 has_bwd = _calls.cuda_bwd_head_dims_error(D, Dv) is None
-attn = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=a.causal, implementation="cuda")
+attn = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=a.causal, implementation="cuda",
+                                          **ids)
 fwd = jax.jit(attn)
 bwd = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))
 for _ in range(a.reps):

@@ -31,10 +31,16 @@ def _rand(seed, shape, dtype=jnp.float32):
   return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
 
 
-def _ids(seed, length, docs):
-  """Sorted segment ids (packed documents) of shape (B, length)."""
+def _ids(seed, length, docs, sort=True):
+  """Segment ids of shape (B, length): sorted (packed documents of random lengths), or with
+  sort=False an id drawn per token."""
   cuts = jax.random.randint(jax.random.PRNGKey(seed), (B, length), 0, docs)
-  return jnp.sort(cuts, axis=-1).astype(jnp.int32)
+  return (jnp.sort(cuts, axis=-1) if sort else cuts).astype(jnp.int32)
+
+
+def _docs(length, docs):
+  """(B, length) ids of `docs` equal documents 0, 1, ..."""
+  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) * docs // length, (B, length))
 
 
 @functools.cache
@@ -54,6 +60,20 @@ def _cases(T, S):
       "segments_causal_window": (dict(query_segment_ids=_ids(1, T, 3),
                                       key_value_segment_ids=_ids(2, S, 3),
                                       is_causal=True, local_window_size=(20, 20)), {}),
+      "segments": (dict(query_segment_ids=_ids(27, T, 4), key_value_segment_ids=_ids(28, S, 4)),
+                   {}),
+      "segments_lengths_bottom_right": (dict(query_segment_ids=_ids(29, T, 3),
+                                             key_value_segment_ids=_ids(30, S, 3), is_causal=True,
+                                             causal_alignment="bottom_right", **LENGTHS), {}),
+      # the queries of document 2 find no key of theirs (fully masked rows); no query sees the
+      # keys of document 5
+      "segments_orphans_window": (dict(query_segment_ids=_docs(T, 4),
+                                       key_value_segment_ids=jnp.where(_docs(S, 4) == 2, 5,
+                                                                       _docs(S, 4)),
+                                       local_window_size=(S // 4, S // 8)), {}),
+      "segments_unsorted_causal": (dict(query_segment_ids=_ids(31, T, 3, sort=False),
+                                        key_value_segment_ids=_ids(32, S, 3, sort=False),
+                                        is_causal=True), {}),
       "softcap_alibi": (dict(logits_soft_cap=1.5), dict(alibi_slopes=jnp.abs(_rand(2, (N,))))),
       "alibi_batched_bottom_right": (dict(causal_alignment="bottom_right", is_causal=True),
                                      dict(alibi_slopes=jnp.abs(_rand(3, (B, N))))),
@@ -165,6 +185,22 @@ def test_cuda_variant(case, head_dim, dtype):
   limited = (case, head_dim, jnp.dtype(dtype).name) in REDUCTION_LIMITED
   _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, dtype=dtype,
               reductions_may_miss=limited)
+
+
+# Segment ids where documents span several 128-key tiles (GPU_T, GPU_S hold 2-3 key tiles):
+# the sm90 forward skips the key tiles a query tile has no id of, and runs tiles whose rows and
+# keys carry one id without the element test, the others with it. T, S not tile multiples; GQA.
+SEGMENT_CASES = [c for c in CASES if c.startswith("segments")]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", SEGMENT_CASES)
+def test_cuda_segments_long(case, head_dim):
+  """implementation='cuda' on 1000 queries and 1300 keys with segment ids alone and with
+  causal, window, lengths, bottom-right alignment, unsorted ids and fully masked rows."""
+  _check_case("cuda", case, 1000, 1300, head_dim, head_dim)
 
 
 @pytest.mark.gpu

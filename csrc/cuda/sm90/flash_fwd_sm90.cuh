@@ -12,6 +12,12 @@
 // Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
 // causal diagonal) come first; masking is skipped on every other tile.
 //
+// Variants: a second instantiation, kRules, runs the rules that only hide whole regions of
+// keys: lengths, window, causal alignment (Rules) and segment ids (SegShared). It visits only
+// the key tiles that some query of the CTA may see and tests elements only on tiles that a
+// warp's 16 rows do not see whole; the other variants (bias, mask, ALiBi, soft cap, dropout)
+// run on the sm80 variant kernel (select.h), as does every backward.
+//
 // Shared tiles are TMA's 128-byte swizzle: a (rows, H) tile is H / 64 column blocks of
 // (rows, 64) elements, each row 128 bytes with its 16-byte chunk c stored at c ^ (row % 8).
 // Every block starts on a 1024-byte boundary, so the wgmma descriptors (128B swizzle, base
@@ -24,6 +30,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -74,8 +81,56 @@ struct Rules {
   }
 };
 
-template <typename T, int kHeadDim, bool kMasked>
+// Segment ids (query t sees key s only if q_seg[b, t] == kv_seg[b, s]) in the rules kernel.
+// Disjoint id ranges share no id, so a key tile whose keys' [min, max] id range misses the
+// query tile's is never visited. Before the warps specialise, all 12 warps mark the visited
+// tiles of the Rules range in `live` (warp reductions over the ids) and count them, so the
+// producer and both consumers agree on the tiles and their number once per CTA. The producer
+// warp walks the bits and hands the consumers, with each stage, the tile, its keys' ids and
+// their range: a consumer warp whose rows all carry the one id of every key skips the test.
+template <int kBlockN, int kStages>
+struct SegShared {
+  // Bits kept for 32K candidate tiles (4M keys); a CTA with more visits those past them all,
+  // with the element test (correct, not skipped).
+  static constexpr int kLiveTiles = 32 * 1024;
+  int kv_ids[kStages][kBlockN];   // (kStages, kBlockN) ids of the stage's keys in the CTA's range
+  int kv_lo[kStages], kv_hi[kStages];  // their range
+  int tile[kStages];              // key tile j the stage holds
+  int num_live;                   // visited tiles
+  uint32_t live[kLiveTiles / 32];  // bit r: candidate tile j_lo + r is visited
+
+  // The highest visited candidate r' <= r (r' >= 0 as long as the count says one is left).
+  __device__ int prev_live(int r) const {
+    while (r >= 0 && r < kLiveTiles) {
+      const uint32_t w = live[r / 32] & (0xffffffffu >> (31 - r % 32));  // bits 0 .. r % 32
+      if (w != 0) return (r & ~31) + 31 - __clz(static_cast<int>(w));
+      r = (r & ~31) - 1;
+    }
+    return r;
+  }
+};
+
+// A warp's share of up to 128 consecutive ids: v[k] = ids[i] for i = first + lane + 32 k in
+// [first, end) (0 past end, never read), and their (min, max) over the warp, (INT_MAX,
+// INT_MIN) when the range is empty: a range that meets no other.
+__device__ __forceinline__ int2 load_ids(int (&v)[4], const int32_t* ids, int first, int end,
+                                         int lane) {
+  int lo = INT_MAX, hi = INT_MIN;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int i = first + lane + 32 * k;
+    v[k] = i < end ? ids[i] : 0;
+    if (i < end) {
+      lo = min(lo, v[k]);
+      hi = max(hi, v[k]);
+    }
+  }
+  return make_int2(__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi));
+}
+
+template <typename T, int kHeadDim, bool kCausal, bool kRules>
 struct FwdCfgSm90 {
+  static constexpr bool kMasked = kCausal || kRules;
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
   static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked>::kBlockN;
   static constexpr int kStages = 2;
@@ -88,21 +143,26 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
   // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], then mbarriers
-  // q, full_k[kStages], full_v[kStages], empty[kStages].
+  // q, full_k[kStages], full_v[kStages], empty[kStages], then (kRules) the SegShared.
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
   static constexpr uint32_t kOffBar = kOffV + kStages * kKVBytes;
   static constexpr int kNumBars = 1 + 3 * kStages;
-  static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 1024;  // + slack to align the base
+  static constexpr uint32_t kOffSeg = (kOffBar + kNumBars * 8 + 15) / 16 * 16;
+  using Seg = SegShared<kBlockN, kStages>;
+  static constexpr int kSmemBytes =
+      kOffSeg + (kRules ? sizeof(Seg) : 0) + 1024;  // + slack to align the base
 
   static_assert(kHeadDim % kSwzCols == 0, "whole 128-byte swizzle rows");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N and TMA box rows");
   static_assert((kBlockN * 128) % 1024 == 0, "column blocks of K/V start on swizzle atoms");
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
+  static_assert(!kRules || (kBlockM == 128 && kBlockN == 128), "load_ids: 4 ids a lane, a tile");
 };
 
-// kRules: the rules of p (Rules: causal, window, lengths, alignment) apply; kCausal is false.
+// kRules: the rules of p (Rules: causal, window, lengths, alignment; SegShared: segment ids)
+// apply; kCausal is false.
 template <typename T, int kHeadDim, bool kCausal, bool kRules>
 __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_kernel(const FwdParams p, const __grid_constant__ CUtensorMap tma_q,
@@ -110,7 +170,7 @@ __global__ void __launch_bounds__(384, 1)
                           const __grid_constant__ CUtensorMap tma_v, int num_m_blocks) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
-  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal || kRules>;
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
 
@@ -138,15 +198,28 @@ __global__ void __launch_bounds__(384, 1)
   const int64_t kvh = n / (p.n / p.kh);  // GQA: kv head of query head n
   const int m0 = m_block * kBlockM;
   // Key tiles j_lo .. j_lo + n_blocks - 1 hold the keys this tile needs: all S, under causal up
-  // to its last row t (s <= t), under the rules their key range.
+  // to its last row t (s <= t), under the rules their key range [keys.x, keys.y); with segment
+  // ids, n_blocks becomes the number of those visited (SegShared).
   int j_lo = 0, n_blocks = ((kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len) +
                             kBlockN - 1) / kBlockN;
+  int2 keys = make_int2(0, 0);
   if constexpr (kRules) {
-    const int2 keys = Rules(p, b).key_range(m0, kBlockM);
+    keys = Rules(p, b).key_range(m0, kBlockM);
     j_lo = keys.x / kBlockN;
     n_blocks = keys.y > keys.x ? (keys.y + kBlockN - 1) / kBlockN - j_lo : 0;
   }
+  using Seg = typename Cfg::Seg;
+  Seg& seg = *reinterpret_cast<Seg*>(smem + Cfg::kOffSeg);  // kRules only
+  const int n_cand = n_blocks;  // candidate tiles; the visited ones are bits of seg.live
+  const bool segs = kRules && p.q_segment_ids != nullptr;
+  const int32_t* gQSeg = segs ? p.q_segment_ids + b * p.t : nullptr;    // (T) ids of batch b
+  const int32_t* gKvSeg = segs ? p.kv_segment_ids + b * p.s : nullptr;  // (S)
 
+  if (segs) {
+    const int words = (min(n_cand, Seg::kLiveTiles) + 31) / 32;
+    for (int w = tid; w < words; w += Cfg::kThreads) seg.live[w] = 0;
+    if (tid == 0) seg.num_live = max(0, n_cand - Seg::kLiveTiles);
+  }
   if (tid == 0) {
     mbar_init(bar_q, 1);
     for (int s = 0; s < kStages; ++s) {
@@ -158,34 +231,93 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
 
-  if (warp < 4) {
-    // Producer warpgroup: one thread issues every copy; the rest have nothing to do.
-    setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (tid == 0) {
-      tma_prefetch_desc(&tma_q);
-      tma_prefetch_desc(&tma_k);
-      tma_prefetch_desc(&tma_v);
-      // Box coordinates, innermost first: (column, head, row, batch).
-      const int ci_n = static_cast<int>(n), ci_kvh = static_cast<int>(kvh), ci_b = static_cast<int>(b);
-      mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
+  // TMA box coordinates, innermost first: (column, head, row, batch).
+  auto load_q = [&] {
+    tma_prefetch_desc(&tma_q);
+    tma_prefetch_desc(&tma_k);
+    tma_prefetch_desc(&tma_v);
+    const int ci_n = static_cast<int>(n), ci_b = static_cast<int>(b);
+    mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
 #pragma unroll
-      for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
-        tma_load_4d(sQ + cb * kBlockM * kRowBytes, &tma_q, bar_q, cb * 64, ci_n, m0, ci_b);
+    for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
+      tma_load_4d(sQ + cb * kBlockM * kRowBytes, &tma_q, bar_q, cb * 64, ci_n, m0, ci_b);
+  };
+  // K and V of key tile j into ring stage s.
+  auto load_kv = [&](int s, int j) {
+    const uint32_t stage = s * Cfg::kKVBytes;
+    const int ci_kvh = static_cast<int>(kvh), ci_b = static_cast<int>(b);
+    mbar_arrive_expect_tx(bar_k + 8 * s, Cfg::kKVBytes);
+#pragma unroll
+    for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
+      tma_load_4d(sK + stage + cb * kBlockN * kRowBytes, &tma_k, bar_k + 8 * s, cb * 64, ci_kvh,
+                  j * kBlockN, ci_b);
+    mbar_arrive_expect_tx(bar_v + 8 * s, Cfg::kKVBytes);
+#pragma unroll
+    for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
+      tma_load_4d(sV + stage + cb * kBlockN * kRowBytes, &tma_v, bar_v + 8 * s, cb * 64, ci_kvh,
+                  j * kBlockN, ci_b);
+  };
+
+  if (segs) {
+    // Every warp: the query tile's id range over its rows t < q_len, then 4 candidate tiles
+    // at a time (16 loads in flight per lane) marked live where the id ranges meet. Q loads
+    // meanwhile.
+    if (tid == 0) load_q();
+    int v[4];
+    const int q_end = min(m0 + kBlockM, Rules(p, b).q_len);
+    const int2 q_ids = load_ids(v, gQSeg, m0, q_end, lane);
+    int found = 0;
+    for (int r0 = 4 * warp; r0 < min(n_cand, Seg::kLiveTiles); r0 += 4 * Cfg::kThreads / 32) {
+      uint32_t bits = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int n0 = (j_lo + r0 + k) * kBlockN;
+        const int2 kv = load_ids(v, gKvSeg, max(n0, keys.x), min(n0 + kBlockN, keys.y), lane);
+        if (r0 + k < n_cand && kv.y >= q_ids.x && kv.x <= q_ids.y) bits |= 1u << k;
+      }
+      if (lane == 0 && bits != 0) atomicOr(&seg.live[r0 / 32], bits << (r0 % 32));
+      found += __popc(bits);
+    }
+    if (lane == 0 && found != 0) atomicAdd(&seg.num_live, found);
+    __syncthreads();
+    n_blocks = seg.num_live;
+  }
+
+  if (warp < 4) {
+    // Producer warpgroup: one thread issues every copy, the rest have nothing to do; in the
+    // rules kernel warp 0 also publishes each stage's tile (and ids: SegShared).
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if constexpr (kRules) {
+      if (warp == 0) {
+        if (!segs && lane == 0) load_q();
+        for (int it = 0, r = n_cand; it < n_blocks; ++it) {
+          r = segs ? seg.prev_live(r - 1) : r - 1;  // tiles last to first
+          const int s = it % kStages, n0 = (j_lo + r) * kBlockN;
+          int v[4];
+          int2 kv = make_int2(0, 0);
+          if (segs) kv = load_ids(v, gKvSeg, max(n0, keys.x), min(n0 + kBlockN, keys.y), lane);
+          // Stage s last held tile it - kStages: wait until both consumers released it.
+          if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
+          if (segs) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) seg.kv_ids[s][lane + 32 * k] = v[k];
+          }
+          if (lane == 0) {
+            seg.tile[s] = j_lo + r;
+            seg.kv_lo[s] = kv.x;
+            seg.kv_hi[s] = kv.y;
+          }
+          __syncwarp();  // the arrival on full_k publishes the warp's writes
+          if (lane == 0) load_kv(s, j_lo + r);
+        }
+      }
+    } else if (tid == 0) {
+      load_q();
       for (int it = 0; it < n_blocks; ++it) {
         const int j = j_lo + n_blocks - 1 - it, s = it % kStages;
         // Stage s last held tile it - kStages: wait until both consumers released it.
         if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
-        const uint32_t stage = s * Cfg::kKVBytes;
-        mbar_arrive_expect_tx(bar_k + 8 * s, Cfg::kKVBytes);
-#pragma unroll
-        for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
-          tma_load_4d(sK + stage + cb * kBlockN * kRowBytes, &tma_k, bar_k + 8 * s, cb * 64,
-                      ci_kvh, j * kBlockN, ci_b);
-        mbar_arrive_expect_tx(bar_v + 8 * s, Cfg::kKVBytes);
-#pragma unroll
-        for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
-          tma_load_4d(sV + stage + cb * kBlockN * kRowBytes, &tma_v, bar_v + 8 * s, cb * 64,
-                      ci_kvh, j * kBlockN, ci_b);
+        load_kv(s, j);
       }
     }
   } else {
@@ -203,10 +335,30 @@ __global__ void __launch_bounds__(384, 1)
     float row_max[2] = {-INFINITY, -INFINITY};  // log2-scaled logits, rows g and g + 8
     float row_sum[2] = {0.f, 0.f};              // this lane's share; quad-summed at the end
 
+    // Segment ids: those of this thread's rows g, g + 8, and the warp's range over its rows
+    // t < q_len (rows past q_len see nothing by the rules, whatever their id).
+    int row_id[2] = {0, 0};
+    int2 warp_ids = make_int2(0, 0);
+    if (segs) {
+      const int q_len = Rules(p, b).q_len;
+      int lo = INT_MAX, hi = INT_MIN;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int t = m0 + wr + g + 8 * h;
+        if (t < q_len) {
+          row_id[h] = gQSeg[t];
+          lo = min(lo, row_id[h]);
+          hi = max(hi, row_id[h]);
+        }
+      }
+      warp_ids = make_int2(__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi));
+    }
+
     const uint32_t q_rows = sQ + 64 * cw * kRowBytes;  // this warpgroup's rows, column block 0
     mbar_wait(bar_q, 0);
 
-    // The steps of one key tile it (tile j = n_blocks - 1 - it, ring stage it % kStages).
+    // The steps of one key tile it (ring stage it % kStages): tile j = j_lo + n_blocks - 1 - it,
+    // in the rules kernel the stage's seg.tile.
     // S = Q K^T: (64, kBlockN) per warpgroup, K = H in k16 steps; committed, not waited for.
     auto issue_qk = [&](float (&acc_s)[kNS], int it) {
       const uint32_t stage = (it % kStages) * Cfg::kKVBytes;
@@ -246,7 +398,7 @@ __global__ void __launch_bounds__(384, 1)
     // exp2 per element (the FP32 and MUFU pipes, not the tensor cores, bound this step);
     // corr = 2^(m_old - m_new) is left for O, which may still be accumulating the previous tile.
     auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
-      const int n0 = (j_lo + n_blocks - 1 - it) * kBlockN;
+      const int n0 = (kRules ? seg.tile[it % kStages] : j_lo + n_blocks - 1 - it) * kBlockN;
       if constexpr (kRules) {
         // This warp's rows t = m0 + wr + row (row < 16) see key n0 + col iff row < q_rows,
         // col < kv_limit and lo_d <= col - row <= hi_d; a tile all of whose elements pass
@@ -264,6 +416,18 @@ __global__ void __launch_bounds__(384, 1)
               if (row >= q_rows || col >= kv_limit || col - row < lo_d || col - row > hi_d)
                 acc_s[4 * i + c] = -INFINITY;
             }
+        }
+        // Segment ids: unless the warp's rows and the tile's keys (in the CTA's key range; the
+        // rules hide the others) all carry one id, key col is hidden where its id differs.
+        const int s = it % kStages;
+        if (segs && !(seg.kv_lo[s] == warp_ids.y && seg.kv_hi[s] == warp_ids.x)) {
+#pragma unroll
+          for (int i = 0; i < kNS / 4; ++i) {
+            const int2 kv = *reinterpret_cast<const int2*>(&seg.kv_ids[s][8 * i + 2 * tig]);
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              if ((c % 2 ? kv.y : kv.x) != row_id[c / 2]) acc_s[4 * i + c] = -INFINITY;
+          }
         }
       } else if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
         const int kv_limit = s_len - n0;  // tile-relative key bound
@@ -407,7 +571,7 @@ __global__ void __launch_bounds__(384, 1)
 
 template <typename T, int kHeadDim, bool kCausal, bool kRules>
 bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal || kRules>;
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules>;
   CUtensorMap tma_q, tma_k, tma_v;
   if (!encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
                       p.q_batch_stride, Cfg::kBlockM) ||
@@ -433,7 +597,8 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 // Launches the sm90 forward on `stream`; false (nothing launched) when the TMA descriptors
 // cannot be built. Preconditions (select.h checks them): a cc 9.x device, p.s > 0, no variant
-// but the rules (Rules). The rules kernel covers causal too, so each file compiles it once.
+// but the rules (Rules, segment ids). The rules kernel covers causal too, so each file
+// compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true>(p, stream);

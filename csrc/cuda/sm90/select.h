@@ -1,7 +1,7 @@
 // Chooses between the sm90 (TMA + wgmma) kernels and the sm80 (mma.sync) ones at run time.
 // The sm90 kernels are compiled only when the build targets sm_90a (JAXFLASH_SM90, set by
 // cmake/cuda.cmake) and run only on a cc 9.x device at H == Hv in {64, 128}: the forward for
-// plain attention and the key-range rules (sm90_rules_only) with at least one key, the
+// attention with at least one key whose variants are only the rules of sm90_rules_only, the
 // backward for plain attention (no variant, not deterministic) with T, S > 0.
 // JAXFLASH_DISABLE_SM90=1 forces the sm80 kernels (A/B benchmarking).
 #pragma once
@@ -57,11 +57,11 @@ inline bool tma_strides_ok(const FwdParams& p) {
   return true;
 }
 
-// Of the variants, the sm90 kernel runs the rules that only cut each query row's key range
-// (lengths, window, causal alignment); the others need per-element operands (sm80).
+// Of the variants, the sm90 kernel runs the rules that hide whole regions of keys: lengths,
+// window and causal alignment cut each query row's key range, segment ids the key tiles
+// whose ids a query tile does not have. The others need per-element operands (sm80).
 inline bool sm90_rules_only(const FwdParams& p) {
-  return !p.bias && !p.mask && !p.q_segment_ids && !p.alibi_slopes && !p.dropout_seeds &&
-         !(p.softcap > 0.f);
+  return !p.bias && !p.mask && !p.alibi_slopes && !p.dropout_seeds && !(p.softcap > 0.f);
 }
 
 inline bool use_fwd_sm90(const FwdParams& p) {
