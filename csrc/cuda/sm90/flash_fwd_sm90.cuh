@@ -110,22 +110,24 @@ struct SegShared {
   }
 };
 
-// A warp's share of up to 128 consecutive ids: v[k] = ids[i] for i = first + lane + 32 k in
-// [first, end) (0 past end, never read), and their (min, max) over the warp, (INT_MAX,
-// INT_MIN) when the range is empty: a range that meets no other.
-__device__ __forceinline__ int2 load_ids(int (&v)[4], const int32_t* ids, int first, int end,
-                                         int lane) {
-  int lo = INT_MAX, hi = INT_MIN;
+// A warp's share of the 128 ids from `base`: v[k] = ids[i] for i = base + lane + 32 k (so that
+// v[k] belongs to tile column lane + 32 k) where lo <= i < end (0 elsewhere, never read), and
+// the (min, max) of those over the warp, (INT_MAX, INT_MIN) when none is: a range that meets
+// no other.
+__device__ __forceinline__ int2 load_ids(int (&v)[4], const int32_t* ids, int base, int lo,
+                                         int end, int lane) {
+  int id_lo = INT_MAX, id_hi = INT_MIN;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const int i = first + lane + 32 * k;
-    v[k] = i < end ? ids[i] : 0;
-    if (i < end) {
-      lo = min(lo, v[k]);
-      hi = max(hi, v[k]);
+    const int i = base + lane + 32 * k;
+    const bool valid = i >= lo && i < end;
+    v[k] = valid ? ids[i] : 0;
+    if (valid) {
+      id_lo = min(id_lo, v[k]);
+      id_hi = max(id_hi, v[k]);
     }
   }
-  return make_int2(__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi));
+  return make_int2(__reduce_min_sync(0xffffffffu, id_lo), __reduce_max_sync(0xffffffffu, id_hi));
 }
 
 template <typename T, int kHeadDim, bool kCausal, bool kRules>
@@ -265,14 +267,14 @@ __global__ void __launch_bounds__(384, 1)
     if (tid == 0) load_q();
     int v[4];
     const int q_end = min(m0 + kBlockM, Rules(p, b).q_len);
-    const int2 q_ids = load_ids(v, gQSeg, m0, q_end, lane);
+    const int2 q_ids = load_ids(v, gQSeg, m0, m0, q_end, lane);
     int found = 0;
     for (int r0 = 4 * warp; r0 < min(n_cand, Seg::kLiveTiles); r0 += 4 * Cfg::kThreads / 32) {
       uint32_t bits = 0;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int n0 = (j_lo + r0 + k) * kBlockN;
-        const int2 kv = load_ids(v, gKvSeg, max(n0, keys.x), min(n0 + kBlockN, keys.y), lane);
+        const int2 kv = load_ids(v, gKvSeg, n0, keys.x, min(n0 + kBlockN, keys.y), lane);
         if (r0 + k < n_cand && kv.y >= q_ids.x && kv.x <= q_ids.y) bits |= 1u << k;
       }
       if (lane == 0 && bits != 0) atomicOr(&seg.live[r0 / 32], bits << (r0 % 32));
@@ -295,7 +297,7 @@ __global__ void __launch_bounds__(384, 1)
           const int s = it % kStages, n0 = (j_lo + r) * kBlockN;
           int v[4];
           int2 kv = make_int2(0, 0);
-          if (segs) kv = load_ids(v, gKvSeg, max(n0, keys.x), min(n0 + kBlockN, keys.y), lane);
+          if (segs) kv = load_ids(v, gKvSeg, n0, keys.x, min(n0 + kBlockN, keys.y), lane);
           // Stage s last held tile it - kStages: wait until both consumers released it.
           if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
           if (segs) {
