@@ -49,6 +49,8 @@ ffi::Error validate_cuda(const FwdParams& p) {
                    std::to_string(p.t) + ", S=" + std::to_string(p.s));
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o)})
     if (!aligned16(ptr)) return invalid("the CUDA kernels need 16-byte aligned q, k, v, o");
+  if (p.o_f32 && !aligned16(p.o_f32))
+    return invalid("the CUDA kernels need a 16-byte aligned o_f32");
   return ffi::Error::Success();
 }
 
@@ -57,7 +59,10 @@ struct FwdLaunch {
   cudaStream_t stream;
   template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
   void operator()() const {
-    cuda::run_fwd_best<T, kHeadDim, kHeadDimV, kCausal>(p, stream);  // sm90 where it applies
+    if (p.o_f32)  // only the sm80 variant kernel writes it (flash_fwd.cuh run_fwd)
+      cuda::run_fwd<T, kHeadDim, kHeadDimV, kCausal>(p, stream);
+    else
+      cuda::run_fwd_best<T, kHeadDim, kHeadDimV, kCausal>(p, stream);  // sm90 where it applies
   }
 };
 
@@ -72,9 +77,9 @@ struct BwdLaunch {
 
 ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs variants, ffi::Result<ffi::AnyBuffer> o,
-                   ffi::Result<ffi::AnyBuffer> lse, CallAttrs attrs) {
+                   ffi::Result<ffi::AnyBuffer> lse, ffi::RemainingRets extra, CallAttrs attrs) {
   FwdParams p{};
-  if (auto e = decode_fwd(q, k, v, variants, *o, *lse, attrs, p); e.failure()) return e;
+  if (auto e = decode_fwd(q, k, v, variants, *o, *lse, extra, attrs, p); e.failure()) return e;
   if (auto e = validate_cuda(p); e.failure()) return e;
   // Nothing to write. S == 0 is not empty: the kernel writes O = 0 and lse = -inf.
   if (p.b == 0 || p.t == 0 || p.n == 0) return ffi::Error::Success();
@@ -85,13 +90,14 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                   ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::RemainingArgs variants,
+                   ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer o_f32,
+                   ffi::RemainingArgs variants,
                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                    ffi::Result<ffi::AnyBuffer> dalibi, CallAttrs attrs) {
   BwdParams p{};
-  if (auto e = decode_bwd(q, k, v, o, lse, dout, dlse, variants, *dq, *dk, *dv, *dbias, *dalibi,
-                          attrs, p);
+  if (auto e = decode_bwd(q, k, v, o, lse, dout, dlse, o_f32, variants, *dq, *dk, *dv, *dbias,
+                          *dalibi, attrs, p);
       e.failure())
     return e;
   // First: implementation=None reaches this handler at such head dims (jaxflash/attention.py).

@@ -142,6 +142,7 @@ struct CallAttrs {
   float softcap;       // 0: off
   float dropout_rate;  // 0: off
   bool deterministic;  // backward: bit-identical across runs (the forward always is)
+  bool has_o_f32;      // forward: also returns o_f32; backward: its o_f32 operand is live
 };
 
 // The variant operands follow the fixed ones (`.RemainingArgs()`), in VariantArgs order.
@@ -327,20 +328,43 @@ inline ffi::Error make_bwd_params(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// A whole forward call: the fixed operands, the variant operands and the attrs.
+// The fp32 copy of O (FwdParams::o_f32): float32 with o's shape.
+inline ffi::Error set_o_f32(ffi::AnyBuffer o, ffi::AnyBuffer o_f32, FwdParams& p) {
+  auto d = o_f32.dimensions(), od = o.dimensions();
+  if (o_f32.element_type() != ffi::DataType::F32 ||
+      !std::equal(d.begin(), d.end(), od.begin(), od.end()))
+    return invalid("o_f32 must be float32 with o's shape " + dims_str(od) + ", got " +
+                   dims_str(d));
+  p.o_f32 = static_cast<float*>(o_f32.untyped_data());
+  return ffi::Error::Success();
+}
+
+// A whole forward call: the fixed operands, the variant operands and the attrs. `extra` are
+// the results after o and lse: o_f32 exactly when has_o_f32.
 inline ffi::Error decode_fwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::RemainingArgs variants, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                             const CallAttrs& at, FwdParams& p) {
+                             ffi::RemainingRets extra, const CallAttrs& at, FwdParams& p) {
   std::optional<VariantArgs> args;
   if (auto e = make_fwd_params(q, k, v, o, lse, at.scale, at.is_causal, p); e.failure()) return e;
   if (auto e = variant_args(variants, args); e.failure()) return e;
+  if (extra.size() != (at.has_o_f32 ? 1u : 0u))
+    return invalid("expected " + std::string(at.has_o_f32 ? "one result" : "no result") +
+                   " after o and lse (o_f32 when has_o_f32), got " +
+                   std::to_string(extra.size()));
+  if (at.has_o_f32) {
+    auto o_f32 = extra.get<ffi::AnyBuffer>(0);
+    if (o_f32.has_error()) return o_f32.error();
+    if (auto e = set_o_f32(o, **o_f32, p); e.failure()) return e;
+  }
   return add_variants(q, *args, at, p);
 }
 
-// A whole backward call; also binds the dbias/dalibi results of live bias/alibi_slopes.
+// A whole backward call; also binds the dbias/dalibi results of live bias/alibi_slopes, and
+// the forward's o_f32 (a zero-element placeholder unless has_o_f32).
 inline ffi::Error decode_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
-                             ffi::AnyBuffer dlse, ffi::RemainingArgs variants, ffi::AnyBuffer dq,
+                             ffi::AnyBuffer dlse, ffi::AnyBuffer o_f32,
+                             ffi::RemainingArgs variants, ffi::AnyBuffer dq,
                              ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
                              ffi::AnyBuffer dalibi, const CallAttrs& at, BwdParams& p) {
   std::optional<VariantArgs> args;
@@ -348,6 +372,8 @@ inline ffi::Error decode_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer 
       e.failure())
     return e;
   if (auto e = variant_args(variants, args); e.failure()) return e;
+  if (auto e = at.has_o_f32 ? set_o_f32(o, o_f32, p) : dead("o_f32", o_f32); e.failure())
+    return e;
   if (auto e = add_variants(q, *args, at, p); e.failure()) return e;
   return add_variant_grads(*args, at, dbias, dalibi, p);
 }
@@ -362,6 +388,7 @@ auto bind_fwd(Binding b) {
       .RemainingArgs()                                // variant operands (VariantArgs)
       .template Ret<ffi::AnyBuffer>()                 // o
       .template Ret<ffi::AnyBuffer>()                 // lse
+      .RemainingRets()                                // o_f32 when has_o_f32
       .template Attrs<CallAttrs>();
 }
 
@@ -374,6 +401,7 @@ auto bind_bwd(Binding b) {
       .template Arg<ffi::AnyBuffer>()                 // lse
       .template Arg<ffi::AnyBuffer>()                 // dout
       .template Arg<ffi::AnyBuffer>()                 // dlse
+      .template Arg<ffi::AnyBuffer>()                 // o_f32 (placeholder unless has_o_f32)
       .RemainingArgs()                                // variant operands (VariantArgs)
       .template Ret<ffi::AnyBuffer>()                 // dq
       .template Ret<ffi::AnyBuffer>()                 // dk
@@ -394,4 +422,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("window_left"),
     xla::ffi::StructMember<int64_t>("window_right"),
     xla::ffi::StructMember<bool>("bottom_right"), xla::ffi::StructMember<float>("softcap"),
-    xla::ffi::StructMember<float>("dropout_rate"), xla::ffi::StructMember<bool>("deterministic"));
+    xla::ffi::StructMember<float>("dropout_rate"), xla::ffi::StructMember<bool>("deterministic"),
+    xla::ffi::StructMember<bool>("has_o_f32"));

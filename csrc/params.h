@@ -59,6 +59,13 @@ struct FwdParams {
   float dropout_rate = 0.f;   // p is dropped where hash < dropout_threshold, kept ones / (1 - rate)
   uint32_t dropout_threshold = 0;
 
+  // Optional (B, T, N, Hv) fp32 copy of O with o's strides: acc / l before the rounding to
+  // q's dtype. The forward writes it when set (CUDA: the sm80 variant kernel); the backward,
+  // as it reads o and lse, takes delta = rowsum(dout * o_f32) - dlse from it, which matches its
+  // own fp32 sum_s P dP where the stored o misses it by a rounding of q's dtype (a rounding
+  // that dbias over broadcast dims and dalibi sum up rather than average out).
+  float* o_f32 = nullptr;
+
   int64_t group() const { return n / kh; }  // query heads per kv head
 };
 

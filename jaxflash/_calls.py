@@ -6,7 +6,9 @@ psum and the gradients come out wrong).
 
 The CPU and CUDA targets take every variant operand in the order of VARIANT_OPERANDS; an absent
 one is passed as a zero-element placeholder and marked dead by its `has_*` attr
-(csrc/ffi_params.h checks both). The CUDA forward and backward run every variant, and the
+(csrc/ffi_params.h checks both). So is the fp32 copy of O (`has_o_f32`, params.h o_f32): a
+third forward result when asked for (keep_f32), and the backward's operand after dlse, from
+which it takes delta = rowsum(dout * o) - dlse (both platforms; see attention._keeps_o_f32). The CUDA forward and backward run every variant, and the
 backward honours `deterministic` on every platform; the CUDA backward runs fewer head dims than
 the forward, so bwd(platform='cuda') raises for those.
 """
@@ -39,6 +41,7 @@ VARIANT_OPERANDS = (
 # is one more entry.
 FWD_AXES = (("BTNH", "BSKH", "BSKV"),                             # q, k, v
             ("BTNV", "BNT"))                                      # out, lse
+O_F32_AXES = "BTNV"  # out_f32: a forward result (keep_f32) and a backward operand
 BWD_AXES = (("BTNH", "BSKH", "BSKV", "BTNV", "BNT", "BTNV", "BNT"),  # q, k, v, out, lse, dout, dlse
             ("BTNH", "BSKH", "BSKV"))                             # dq, dk, dv
 
@@ -53,8 +56,9 @@ def _lse_shape(q):
 
 
 def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
-                    deterministic=False):
-  """(operands, attrs) for the CPU targets; `variants` maps VARIANT_OPERANDS names to arrays."""
+                    deterministic=False, o_f32=False):
+  """(operands, attrs) for the CPU targets; `variants` maps VARIANT_OPERANDS names to arrays;
+  o_f32: the call returns (forward) or takes (backward) the fp32 copy of O."""
   variants = variants or {}
   unknown = set(variants) - {name for name, _ in VARIANT_OPERANDS}
   if unknown:
@@ -75,7 +79,8 @@ def _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
                has_segment_ids=live("query_segment_ids"), has_alibi=live("alibi_slopes"),
                window_left=np.int64(left), window_right=np.int64(right),
                bottom_right=bool(bottom_right), softcap=np.float32(softcap or 0.0),
-               dropout_rate=np.float32(dropout_rate), deterministic=bool(deterministic))
+               dropout_rate=np.float32(dropout_rate), deterministic=bool(deterministic),
+               has_o_f32=bool(o_f32))
   return operands, attrs
 
 
@@ -100,21 +105,27 @@ def _check_cuda_bwd(q, v):
 
 
 def fwd(q, k, v, variants=None, *, scale: float, is_causal: bool, platform: str, window=None,
-        bottom_right=False, softcap=None, dropout_rate=0.0):
-  """(..., T, N, H), (..., S, K, H), (..., S, K, Hv) -> out (..., T, N, Hv), lse (..., N, T)."""
-  out_types = (_like(q, q.shape[:-1] + v.shape[-1:], q.dtype),
-               _like(q, _lse_shape(q), jnp.float32))
+        bottom_right=False, softcap=None, dropout_rate=0.0, keep_f32=False):
+  """(..., T, N, H), (..., S, K, H), (..., S, K, Hv) -> out (..., T, N, Hv), lse (..., N, T);
+  keep_f32: and out_f32, out before its rounding to q's dtype, float32 (for bwd's out_f32)."""
+  out_shape = q.shape[:-1] + v.shape[-1:]
+  out_types = (_like(q, out_shape, q.dtype), _like(q, _lse_shape(q), jnp.float32))
+  if keep_f32:
+    out_types += (_like(q, out_shape, jnp.float32),)
   call = jax.ffi.ffi_call(f"jaxflash_fwd_{platform}", out_types, vmap_method="broadcast_all")
   base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
-  operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate)
+  operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
+                                    o_f32=keep_f32)
   return call(q, k, v, *operands, **base, **attrs)
 
 
 def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal: bool,
         platform: str, window=None, bottom_right=False, softcap=None, dropout_rate=0.0,
-        deterministic=False, check=True):
+        deterministic=False, check=True, out_f32=None):
   """Returns dq, dk, dv with the shapes and dtypes of q, k, v; and, when `variants` is given,
   also dbias (bias's shape, or None) and dalibi (alibi_slopes' shape, or None).
+
+  out_f32: fwd's out_f32 (keep_f32), or None; delta then comes from it instead of out.
 
   check: raise at trace time for what the CUDA backward lacks. False inside
   lax.platform_dependent, whose CUDA branch is traced on every platform: there the CUDA
@@ -124,11 +135,14 @@ def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal
   if platform == "cuda" and check:
     _check_cuda_bwd(q, v)
   operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
-                                    deterministic)
+                                    deterministic, o_f32=out_f32 is not None)
+  if out_f32 is None:
+    out_f32 = jnp.zeros((0,), jnp.float32)  # dead placeholder (has_o_f32 False)
   bias, alibi = operands[0], operands[6]
   out_types = grads + (_like(q, bias.shape, bias.dtype), _like(q, alibi.shape, alibi.dtype))
   call = jax.ffi.ffi_call(f"jaxflash_bwd_{platform}", out_types, vmap_method="broadcast_all")
-  dq, dk, dv, dbias, dalibi = call(q, k, v, out, lse, dout, dlse, *operands, **base, **attrs)
+  dq, dk, dv, dbias, dalibi = call(q, k, v, out, lse, dout, dlse, out_f32, *operands, **base,
+                                   **attrs)
   if variants is None:
     return dq, dk, dv
   return (dq, dk, dv, dbias if attrs["has_bias"] else None,

@@ -123,27 +123,49 @@ def _per_shard(fn, arrays, ops, in_axes, out_axes):
   return sharding.shard_local(local, axes, out_axes)(*arrays, *(ops[n] for n in names))
 
 
-def _run_fwd(q, k, v, ops, cfg: _Config):
+def _keeps_o_f32(ops, cfg: _Config) -> bool:
+  """Whether the differentiated forward keeps O in float32 (params.h o_f32) for the kernel
+  backward's delta = rowsum(dO * O) - dlse. dbias of a bias broadcast over batch, heads, rows
+  or keys and dalibi sum dZ = P (dP - delta) over many elements, where the rounding of the
+  stored O (q's dtype) against the backward's own fp32 sum of P dP adds up instead of
+  averaging out (benchmarks/NOTES.md); no other gradient needs it. O(T * Hv) float32 memory,
+  only for calls with a bias or alibi_slopes that reach a kernel."""
+  kernels = {cfg.pinned} if cfg.pinned else {cfg.cpu, cfg.cuda}
+  live = ops["bias"] is not None or ops["alibi_slopes"] is not None
+  return live and kernels != {"xla"}
+
+
+def _run_fwd(q, k, v, ops, cfg: _Config, keep_f32=False):
+  """out, lse; and with keep_f32 out_f32 (float32; the reference's out cast, which its VJP
+  does not read)."""
+  def reference(q, k, v, ops):
+    out, lse = _reference(q, k, v, ops, cfg)
+    return (out, lse, out.astype(jnp.float32)) if keep_f32 else (out, lse)
+
   def kernel(platform):
     impl = getattr(cfg, platform)
     if impl == "xla":
-      return lambda q, k, v, ops: _reference(q, k, v, ops, cfg)
+      return reference
     return lambda q, k, v, ops: _calls.fwd(q, k, v, ops, scale=cfg.scale,
                                            is_causal=cfg.is_causal, platform=impl,
-                                           **cfg.options())
+                                           keep_f32=keep_f32, **cfg.options())
 
   def local(q, k, v, ops):
     if cfg.pinned:
       return kernel(cfg.pinned)(q, k, v, ops)
     return jax.lax.platform_dependent(q, k, v, ops, cpu=kernel("cpu"), cuda=kernel("cuda"),
-                                      default=lambda q, k, v, ops: _reference(q, k, v, ops, cfg))
+                                      default=reference)
 
-  return _per_shard(local, (q, k, v), ops, *_calls.FWD_AXES)
+  in_axes, out_axes = _calls.FWD_AXES
+  out_axes += (_calls.O_F32_AXES,) if keep_f32 else ()
+  return _per_shard(local, (q, k, v), ops, in_axes, out_axes)
 
 
-def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config):
-  """dq, dk, dv, then dbias and dalibi for whichever of bias and alibi_slopes is live."""
-  def reference_vjp(q, k, v, out, lse, dout, dlse, ops):
+def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config, out_f32=None):
+  """dq, dk, dv, then dbias and dalibi for whichever of bias and alibi_slopes is live;
+  out_f32: the forward's (keep_f32), for the kernels' delta."""
+  def reference_vjp(q, k, v, out, lse, dout, dlse, ops, out_f32=None):
+    del out_f32  # the reference recomputes its softmax VJP from q, k, v
     def ref(q, k, v, bias, alibi):
       return _reference(q, k, v, {**ops, "bias": bias, "alibi_slopes": alibi}, cfg)
     _, vjp = jax.vjp(ref, q, k, v, ops["bias"], ops["alibi_slopes"])
@@ -153,12 +175,14 @@ def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config):
     impl = getattr(cfg, platform)
     if impl == "xla":
       return reference_vjp
-    return lambda q, k, v, out, lse, dout, dlse, ops: _calls.bwd(
+    return lambda q, k, v, out, lse, dout, dlse, ops, out_f32=None: _calls.bwd(
         q, k, v, out, lse, dout, dlse, ops, scale=cfg.scale, is_causal=cfg.is_causal,
         platform=impl, deterministic=cfg.deterministic, check=cfg.pinned is not None,
-        **cfg.options())
+        out_f32=out_f32, **cfg.options())
 
   def local(*args):
+    *arrays, ops = args
+    args = (*arrays[:7], ops, *arrays[7:])  # out_f32, when kept, last
     if cfg.pinned:
       grads = kernel(cfg.pinned)(*args)
     else:
@@ -166,10 +190,12 @@ def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config):
                                          default=reference_vjp)
     return tuple(g for g in grads if g is not None)
 
+  arrays, in_axes = (q, k, v, out, lse, dout, dlse), _calls.BWD_AXES[0]
+  if out_f32 is not None:
+    arrays, in_axes = arrays + (out_f32,), in_axes + (_calls.O_F32_AXES,)
   grad_axes = _calls.BWD_AXES[1] + tuple(
       _OPERAND_AXES[n] for n in ("bias", "alibi_slopes") if ops[n] is not None)
-  grads = iter(_per_shard(local, (q, k, v, out, lse, dout, dlse), ops, _calls.BWD_AXES[0],
-                          grad_axes))
+  grads = iter(_per_shard(local, arrays, ops, in_axes, grad_axes))
   dq, dk, dv = next(grads), next(grads), next(grads)
   dbias = next(grads) if ops["bias"] is not None else None
   dalibi = next(grads) if ops["alibi_slopes"] is not None else None
@@ -182,15 +208,15 @@ def _flash(q, k, v, ops, cfg: _Config):
 
 
 def _flash_fwd(q, k, v, ops, cfg):
-  out, lse = _run_fwd(q, k, v, ops, cfg)
-  return (out, lse), (q, k, v, ops, out, lse)
+  out, lse, *out_f32 = _run_fwd(q, k, v, ops, cfg, keep_f32=_keeps_o_f32(ops, cfg))
+  return (out, lse), (q, k, v, ops, out, lse, out_f32[0] if out_f32 else None)
 
 
 def _flash_bwd(cfg, res, cts):
-  q, k, v, ops, out, lse = res
+  q, k, v, ops, out, lse, out_f32 = res
   dout, dlse = cts
   dq, dk, dv, dbias, dalibi = _run_bwd(q, k, v, ops, out, lse, dout.astype(out.dtype),
-                                       dlse.astype(jnp.float32), cfg)
+                                       dlse.astype(jnp.float32), cfg, out_f32)
   # integer/bool operands and the dropout seeds get no cotangent
   d_ops = {name: None for name in ops}
   d_ops["bias"], d_ops["alibi_slopes"] = dbias, dalibi

@@ -233,6 +233,7 @@ void fwd_typed(const FwdParams& p) {
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + (n / G) * p.k_head_stride;
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + (n / G) * p.v_head_stride;
     T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
+    float* o_f32 = p.o_f32 ? p.o_f32 + b * p.o_batch_stride + n * p.o_head_stride : nullptr;
     float* lse = p.lse + (b * p.n + n) * p.t;
     const Head<T> hd(p, b, n);
 
@@ -283,6 +284,8 @@ void fwd_typed(const FwdParams& p) {
       const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
       T* dst = o + (m0 + i) * p.o_row_stride;
       for (int64_t d = 0; d < Hv; ++d) from_float(acc[i * Hv + d] * inv, dst[d]);
+      float* dst_f32 = o_f32 ? o_f32 + (m0 + i) * p.o_row_stride : nullptr;
+      for (int64_t d = 0; dst_f32 && d < Hv; ++d) dst_f32[d] = acc[i * Hv + d] * inv;
       lse[m0 + i] = l[i] > 0.f ? m[i] + std::log(l[i]) : (std::isnan(l[i]) ? l[i] : kNegInf);
     }
   });
@@ -390,15 +393,20 @@ void bwd_typed(const BwdParams& p) {
     return static_cast<const T*>(p.dout) + b * p.do_batch_stride + n * p.do_head_stride;
   };
 
-  // delta = rowsum(dO * O) - dlse, the softmax-Jacobian term shared by every key.
+  // delta = rowsum(dO * O) - dlse, the softmax-Jacobian term shared by every key; O in fp32
+  // from the forward when given (params.h o_f32), else as stored.
   parallel_for(p.b * p.n, [&](int64_t bn) {
     const int64_t b = bn / p.n, n = bn % p.n;
-    const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
+    const int64_t o_at = b * p.o_batch_stride + n * p.o_head_stride;
+    const T* o = static_cast<const T*>(p.o) + o_at;
     const T* dout = do_at(b, n);
     for (int64_t t = 0; t < p.t; ++t) {
       float acc = 0.f;
-      for (int64_t d = 0; d < Hv; ++d)
-        acc += to_float(o[t * p.o_row_stride + d]) * to_float(dout[t * p.do_row_stride + d]);
+      for (int64_t d = 0; d < Hv; ++d) {
+        const int64_t e = t * p.o_row_stride + d;
+        acc += (p.o_f32 ? p.o_f32[o_at + e] : to_float(o[e])) *
+               to_float(dout[t * p.do_row_stride + d]);
+      }
       p.delta[bn * p.t + t] = acc - p.dlse[bn * p.t + t];
     }
   });

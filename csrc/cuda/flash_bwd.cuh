@@ -139,7 +139,8 @@ struct RowChunks {
   static int64_t blocks(int64_t rows) { return (rows * kLanes + kThreads - 1) / kThreads; }
 };
 
-// delta[b, n, t] = sum_d dout[b, t, n, d] * o[b, t, n, d] - dlse[b, n, t] (Hv columns);
+// delta[b, n, t] = sum_d dout[b, t, n, d] * o[b, t, n, d] - dlse[b, n, t] (Hv columns), with
+// the forward's fp32 o (p.o_f32) when given, else the stored one;
 // dq_accum[b, t, n, :H] = 0 (rows bwd_width(H) wide; the padding is never read).
 template <typename T, int kHeadDim, int kHeadDimV>
 __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
@@ -155,17 +156,29 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
 
   float acc = 0.f;
   if (valid && c < kHeadDimV / 8) {
-    const uint4 o = *reinterpret_cast<const uint4*>(
-        static_cast<const T*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
-        n * p.o_head_stride + c * 8);
+    const int64_t o_at = b * p.o_batch_stride + t * p.o_row_stride + n * p.o_head_stride + c * 8;
     const uint4 d = *reinterpret_cast<const uint4*>(
         static_cast<const T*>(p.dout) + b * p.do_batch_stride + t * p.do_row_stride +
         n * p.do_head_stride + c * 8);
-    const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
+    const uint32_t dw[4] = {d.x, d.y, d.z, d.w};
+    float2 of[4];  // this lane's 8 columns of o
+    if (p.o_f32) {
+      const float4* src = reinterpret_cast<const float4*>(p.o_f32 + o_at);
+      const float4 lo = src[0], hi = src[1];
+      of[0] = make_float2(lo.x, lo.y);
+      of[1] = make_float2(lo.z, lo.w);
+      of[2] = make_float2(hi.x, hi.y);
+      of[3] = make_float2(hi.z, hi.w);
+    } else {
+      const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + o_at);
+      const uint32_t ow[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) of[i] = unpack2<T>(ow[i]);
+    }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 of = unpack2<T>(ow[i]), df = unpack2<T>(dw[i]);
-      acc += of.x * df.x + of.y * df.y;
+      const float2 df = unpack2<T>(dw[i]);
+      acc += of[i].x * df.x + of[i].y * df.y;
     }
   }
   if (valid && c < kHeadDim / 8) {

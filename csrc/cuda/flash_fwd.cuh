@@ -587,10 +587,12 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kHeadDimV, kVariants>::kTh
 
   // Epilogue: O = acc / l and lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0,
   // lse = -inf. O is staged through this warp's own rows of sQ (their first Hv columns, in
-  // sQ's layout, so no other warp's Q is touched) for 16-byte global stores.
+  // sQ's layout, so no other warp's Q is touched) for 16-byte global stores. The variant
+  // kernel also stores O in fp32 from the accumulators when p.o_f32 is set (for the backward).
   cp_async_wait<0>();  // with no key tile, the Q copy may still be landing in sQ
   __syncwarp();
-  T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
+  const int64_t o_offset = b * p.o_batch_stride + n * p.o_head_stride;
+  T* gO = static_cast<T*>(p.o) + o_offset;
   float* gLse = p.lse + bn * p.t;
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi)
@@ -606,6 +608,16 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kHeadDimV, kVariants>::kTh
       }
       if (tig == 0 && m0 + row < t_len)
         gLse[m0 + row] = l == 0.f ? -INFINITY : (row_max[mi][h] + log2f(l)) * 0.6931471805599453f;
+      if constexpr (kVariants) {
+        if (p.o_f32 && m0 + row < t_len) {
+          float* gOf = p.o_f32 + o_offset + static_cast<int64_t>(m0 + row) * p.o_row_stride;
+#pragma unroll
+          for (int dt = 0; dt < kNTilesO; ++dt)
+            if (dt * 8 < p.hv)  // (row, dt * 8 + 2 tig .. + 1): a quad stores 8 columns
+              *reinterpret_cast<float2*>(gOf + dt * 8 + tig * 2) =
+                  make_float2(acc_o[mi][dt][2 * h] * inv, acc_o[mi][dt][2 * h + 1] * inv);
+        }
+      }
     }
   __syncwarp();
 #pragma unroll
@@ -636,10 +648,11 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
       p, static_cast<int>(num_m_blocks));
 }
 
-// The variant kernel covers causal too (p.is_causal), so each file compiles it once.
+// The variant kernel covers causal too (p.is_causal), so each file compiles it once; it also
+// runs a plain call that asks for o_f32.
 template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_fwd(const FwdParams& p, cudaStream_t stream) {
-  if (live_variant(p))
+  if (live_variant(p) || p.o_f32)  // only the variant kernel writes o_f32
     launch_fwd<T, kHeadDim, kHeadDimV, false, true>(p, stream);
   else
     launch_fwd<T, kHeadDim, kHeadDimV, kCausal, false>(p, stream);

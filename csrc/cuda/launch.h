@@ -25,7 +25,8 @@ inline const char* live_variant(const FwdParams& p) {
 }
 
 // T is __half or __nv_bfloat16; kHeadDim is H and kHeadDimV >= Hv (dispatch_fwd_head_dims
-// says which pair runs which (H, Hv)). Every variant of p is supported.
+// says which pair runs which (H, Hv)). Every variant of p is supported, and p.o_f32 (which
+// the sm90 forward does not write).
 template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_fwd(const FwdParams& p, cudaStream_t stream);
 
