@@ -651,7 +651,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       cp_async_16(&sK[swz<D>(row, col)], gK + (ok_k ? row * p.k_row_stride + col : 0), ok_k);
       cp_async_16(&sV[swz<D>(row, col)], gV + (ok_v ? row * p.v_row_stride + col : 0), ok_v);
     }
-    load_step(0, 0);
+    load_step(cur, 0);  // the first live step: 0 in the plain kernel, not always with ids
     cp_async_commit();
   }
 
