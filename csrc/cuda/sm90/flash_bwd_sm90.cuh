@@ -190,25 +190,22 @@ __global__ void __launch_bounds__(384, 1)
       const uint32_t sQ_s = sQ + s * Cfg::kQBytes, sdO_s = sdO + s * Cfg::kQBytes;
       mbar_wait(bar_full + 8 * s, (it / kStages) & 1);
 
-      // S^T = K Q^T and dP^T = V dO^T: K = H in k16 steps, both operands K-major.
+      // S^T = K Q^T and dP^T = V dO^T: (64, kBlockM), K = H in k16 steps, both operands
+      // K-major (this warpgroup's 64 rows of K or V, the stage's Q or dO tile).
       float acc_s[kNS], acc_dp[kNS];
+      auto issue_rows_by_tile = [&](float (&acc)[kNS], uint32_t rows, uint32_t tile) {
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          const uint32_t col = (kk % 4) * 32, cb = kk / 4;
+          Wgmma<kBlockM>::template ss<T>(
+              acc, sw128_desc(rows + cb * kBlockN * kRowBytes + col, 16, 1024),
+              sw128_desc(tile + cb * kBlockM * kRowBytes + col, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+      };
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint32_t col = (kk % 4) * 32, cb = kk / 4;
-        Wgmma<kBlockM>::template ss<T>(
-            acc_s, sw128_desc(k_rows + cb * kBlockN * kRowBytes + col, 16, 1024),
-            sw128_desc(sQ_s + cb * kBlockM * kRowBytes + col, 16, 1024), kk > 0);
-      }
-      wgmma_commit();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint32_t col = (kk % 4) * 32, cb = kk / 4;
-        Wgmma<kBlockM>::template ss<T>(
-            acc_dp, sw128_desc(v_rows + cb * kBlockN * kRowBytes + col, 16, 1024),
-            sw128_desc(sdO_s + cb * kBlockM * kRowBytes + col, 16, 1024), kk > 0);
-      }
-      wgmma_commit();
+      issue_rows_by_tile(acc_s, k_rows, sQ_s);
+      issue_rows_by_tile(acc_dp, v_rows, sdO_s);
 
       // P^T = 2^(S^T scale_log2 - lse_log2[q]), 0 at keys >= S and, under causal, at keys
       // past the query; only warps whose 16 keys reach past S or past the step's first query

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 
 #include "../dispatch.h"
 #include "../launch.h"
@@ -49,12 +50,16 @@ inline bool sm90_disabled_by_env() {
 }
 
 // TMA wants 16-byte multiples below 2^40 for every byte stride (elements are 2 bytes).
-inline bool tma_strides_ok(const FwdParams& p) {
-  for (int64_t st : {p.q_head_stride, p.q_row_stride, p.q_batch_stride, p.k_head_stride,
-                     p.k_row_stride, p.k_batch_stride, p.v_head_stride, p.v_row_stride,
-                     p.v_batch_stride})
+inline bool tma_strides_ok(std::initializer_list<int64_t> strides) {
+  for (int64_t st : strides)
     if (st <= 0 || (2 * st) % 16 != 0 || 2 * st >= (int64_t{1} << 40)) return false;
   return true;
+}
+
+inline bool tma_strides_ok(const FwdParams& p) {
+  return tma_strides_ok({p.q_head_stride, p.q_row_stride, p.q_batch_stride, p.k_head_stride,
+                         p.k_row_stride, p.k_batch_stride, p.v_head_stride, p.v_row_stride,
+                         p.v_batch_stride});
 }
 
 // Of the variants, the sm90 kernel runs the rules that hide whole regions of keys: lengths,
@@ -70,12 +75,10 @@ inline bool use_fwd_sm90(const FwdParams& p) {
 }
 
 inline bool use_bwd_sm90(const BwdParams& p) {
-  bool do_ok = true;
-  for (int64_t st : {p.do_head_stride, p.do_row_stride, p.do_batch_stride})
-    do_ok = do_ok && st > 0 && (2 * st) % 16 == 0 && 2 * st < (int64_t{1} << 40);
   return !sm90_disabled_by_env() && p.s > 0 && p.t > 0 && !live_variant(p) &&
-         !p.deterministic && tma_strides_ok(p) && do_ok && p.b < (int64_t{1} << 31) &&
-         current_cc_major() == 9;
+         !p.deterministic && tma_strides_ok(p) &&
+         tma_strides_ok({p.do_head_stride, p.do_row_stride, p.do_batch_stride}) &&
+         p.b < (int64_t{1} << 31) && current_cc_major() == 9;
 }
 #endif
 
