@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
-# (tests, main, bench, bench-quick, masked, sharding, sanitize, sanitize-hdims, ...), each
+# (tests, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-hdims, ...), each
 # logged under $OUT.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
 # jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so.
@@ -27,6 +27,9 @@ for stage in "$@"; do
           timeout 60 python3 benchmarks/profile_kernels.py --small --D $D $c --reps 1 || echo "SMOKE FAILED D=$D $c"
         done; done ;;
     tests) timeout 420 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    # the dense mask's tile summary: block-sparse masks on every tile shape, and the other masks
+    mask) timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_variants.py \
+        -k "block_sparse or mask" 2>&1 | tee "$OUT/mask.log" | tail -25 ;;
     main) timeout 300 python3 -m jaxflash 2>&1 | tee "$OUT/main.log" | grep -v "\]" ;;
     bench-quick) timeout 300 python3 benchmarks/bench.py --dims 128 --seqlens 4096 --out "$OUT" \
         --commit "$COMMIT" --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;

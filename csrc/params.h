@@ -58,6 +58,8 @@ struct FwdParams {
   float softcap = 0.f;        // logits = softcap * tanh(logits / softcap) when > 0
   float dropout_rate = 0.f;   // p is dropped where hash < dropout_threshold, kept ones / (1 - rate)
   uint32_t dropout_threshold = 0;
+  // CUDA workspace: the mask's tile summary (cuda/launch.h MaskTiles); null without a mask.
+  const uint8_t* mask_tiles = nullptr;
 
   int64_t group() const { return n / kh; }  // query heads per kv head
 };
