@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
-# (tests, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg, sanitize-hdims,
-# ...), each logged under $OUT.
+# (tests, gpu-suite, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg,
+# sanitize-hdims, ...), each logged under $OUT.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
 # jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so.
 set -uo pipefail
@@ -32,6 +32,9 @@ for stage in "$@"; do
         tests/test_transforms.py tests/test_gpu.py tests/test_errors.py 2>&1 | tee "$OUT/tests_core.log" | tail -15 ;;
     tests-core-sm80) JAXFLASH_DISABLE_SM90=1 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_attention.py 2>&1 | tee "$OUT/tests_core_sm80.log" | tail -8 ;;
+    # the dense mask's tile summary: block-sparse masks on every tile shape, and the other masks
+    mask) timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_variants.py \
+        -k "block_sparse or mask" 2>&1 | tee "$OUT/mask.log" | tail -25 ;;
     main) timeout 300 python3 -m jaxflash 2>&1 | tee "$OUT/main.log" | grep -v "\]" ;;
     bench-quick) timeout 300 python3 benchmarks/bench.py --dims 128 --seqlens 4096 --out "$OUT" \
         --commit "$COMMIT" --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;

@@ -9,7 +9,7 @@ set(CMAKE_CUDA_ARCHITECTURES ${JAXFLASH_CUDA_ARCHS})
 # are, and
 # its backward (bwd_hdim<d>_*, bwd_hdim<d>x<Hv>_*) where there is one; csrc/cuda/dispatch.h
 # gets both lists.
-set(_cuda_sources csrc/ffi_cuda.cu)
+set(_cuda_sources csrc/ffi_cuda.cu csrc/cuda/mask_tiles.cu)
 set(_inst_dir "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/instantiations")
 set(JAXFLASH_BWD_HEAD_DIMS "")
 set(_fwd_hdims "")

@@ -54,6 +54,28 @@ ffi::Error validate_cuda(const FwdParams& p) {
   return ffi::Error::Success();
 }
 
+// `bytes` of XLA's scratch memory, 16-byte aligned, or null when bytes is 0; clears
+// `allocated` when the allocation fails.
+void* scratch_bytes(ffi::ScratchAllocator& scratch, int64_t bytes, bool& allocated) {
+  if (bytes == 0) return nullptr;
+  auto buf = scratch.Allocate(static_cast<size_t>(bytes), 16);
+  allocated = allocated && buf.has_value();
+  return buf.value_or(nullptr);
+}
+
+// The mask's tile summary (cuda/launch.h MaskTiles), in scratch, for the variant kernels.
+ffi::Error add_mask_tiles(ffi::ScratchAllocator& scratch, cudaStream_t stream, FwdParams& p) {
+  bool allocated = true;
+  auto* tiles =
+      static_cast<uint8_t*>(scratch_bytes(scratch, cuda::MaskTiles::bytes(p), allocated));
+  if (!allocated)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jaxflash: could not allocate the mask's tile summary");
+  if (tiles) cuda::summarize_mask(p, tiles, stream);
+  p.mask_tiles = tiles;
+  return ffi::Error::Success();
+}
+
 struct FwdLaunch {
   const FwdParams& p;
   cudaStream_t stream;
@@ -75,14 +97,16 @@ struct BwdLaunch {
   }
 };
 
-ffi::Error FwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::RemainingArgs variants, ffi::Result<ffi::AnyBuffer> o,
-                   ffi::Result<ffi::AnyBuffer> lse, ffi::RemainingRets extra, CallAttrs attrs) {
+ffi::Error FwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                   ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs variants,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                   ffi::RemainingRets extra, CallAttrs attrs) {
   FwdParams p{};
   if (auto e = decode_fwd(q, k, v, variants, *o, *lse, extra, attrs, p); e.failure()) return e;
   if (auto e = validate_cuda(p); e.failure()) return e;
   // Nothing to write. S == 0 is not empty: the kernel writes O = 0 and lse = -inf.
   if (p.b == 0 || p.t == 0 || p.n == 0) return ffi::Error::Success();
+  if (auto e = add_mask_tiles(scratch, stream, p); e.failure()) return e;
   if (!cuda::dispatch_fwd(p, FwdLaunch{p, stream}))
     return invalid("no CUDA forward kernel compiled for this dtype and head dim");
   return cuda_error("forward kernel launch failed");
@@ -134,12 +158,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   const cuda::BwdWorkspace w = cuda::bwd_workspace(p);
   bool allocated = true;
   // A 4-byte workspace of `count` elements, or null when count is 0.
-  auto allocate = [&](int64_t count) -> void* {
-    if (count == 0) return nullptr;
-    auto buf = scratch.Allocate(static_cast<size_t>(count) * 4, 16);
-    allocated = allocated && buf.has_value();
-    return buf.value_or(nullptr);
-  };
+  auto allocate = [&](int64_t count) { return scratch_bytes(scratch, count * 4, allocated); };
   p.delta = static_cast<float*>(allocate(static_cast<int64_t>(rows)));
   // Rows as wide as the kernel's tiles (H padded: flash_bwd.cuh Tiles).
   p.dq_accum = static_cast<float*>(allocate(static_cast<int64_t>(rows) * cuda::bwd_width(p.h)));
@@ -150,6 +169,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   if (!allocated)
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "jaxflash: could not allocate the fp32 backward workspaces");
+  if (auto e = add_mask_tiles(scratch, stream, p); e.failure()) return e;
   if (!cuda::dispatch_bwd(p, BwdLaunch{p, stream}))
     return invalid("no CUDA backward kernel compiled for this dtype and head dim");
   return cuda_error("backward kernel launch failed");
@@ -157,9 +177,10 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxflash_fwd_cuda, FwdCuda,
-    bind_fwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_fwd_cuda, FwdCuda,
+                              bind_fwd(ffi::Ffi::Bind()
+                                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                           .Ctx<ffi::ScratchAllocator>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_bwd_cuda, BwdCuda,
                               bind_bwd(ffi::Ffi::Bind()

@@ -58,6 +58,8 @@ struct FwdParams {
   float softcap = 0.f;        // logits = softcap * tanh(logits / softcap) when > 0
   float dropout_rate = 0.f;   // p is dropped where hash < dropout_threshold, kept ones / (1 - rate)
   uint32_t dropout_threshold = 0;
+  // CUDA workspace: the mask's tile summary (cuda/launch.h MaskTiles); null without a mask.
+  const uint8_t* mask_tiles = nullptr;
 
   // Optional (B, T, N, Hv) fp32 copy of O with o's strides: acc / l before the rounding to
   // q's dtype. The forward writes it when set (CUDA: the sm80 variant kernel); the backward,

@@ -42,11 +42,28 @@ def _docs(length, docs):
   return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) * docs // length, (B, length))
 
 
+def _block_sparse(seed, shape, block, tile):
+  """A bool mask of `shape` (..., T|1, S) of block x block pieces, each all False, all True or
+  random, cut at T and S. Where the kernels' tiles are tile x tile, rows [0, 2 tile) x keys
+  [2 tile, 4 tile) are False (whole tiles that the forward and backward skip) and rows
+  [T / 2, T) x keys [0, 2 tile) True (tiles with no per-element test); row 1 sees nothing."""
+  *lead, t, s = shape
+  kind = jax.random.choice(jax.random.PRNGKey(seed), 3, (*lead, -(-t // block), -(-s // block)),
+                           p=jnp.array([0.45, 0.3, 0.25]))
+  kind = jnp.repeat(jnp.repeat(kind, block, -2), block, -1)[..., :t, :s]
+  mixed = jax.random.bernoulli(jax.random.PRNGKey(seed + 1), 0.5, shape)
+  mask = jnp.where(kind == 2, mixed, kind == 1)
+  mask = mask.at[..., :2 * tile, 2 * tile:4 * tile].set(False)
+  mask = mask.at[..., t // 2:, :2 * tile].set(True)
+  return mask.at[..., 1:2, :].set(False)
+
+
 @functools.cache
 def _cases(T, S):
   """name -> (static kwargs, differentiable kwargs) for query length T and key length S."""
   LENGTHS = dict(query_seq_lengths=jnp.array([T * 29 // 37, 0], jnp.int32),
                  key_value_seq_lengths=jnp.array([S * 51 // 70, S], jnp.int32))
+  tile = 64 if T > 64 else 16  # the CUDA kernels' mask tiles; the small shapes scale it down
   return {
       "lengths_causal": (dict(is_causal=True, **LENGTHS), {}),
       "bottom_right_causal": (dict(is_causal=True, causal_alignment="bottom_right"), {}),
@@ -80,6 +97,13 @@ def _cases(T, S):
                             **LENGTHS), {}),
       "mask_rank2_causal": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(5), 0.3, (T, S)),
                                  is_causal=True), {}),
+      # block-sparse masks (whole tiles False or True, mixed ones), one for every batch and
+      # head, per (batch, head) with head 0 of batch 0 seeing nothing, and over the keys alone
+      "block_sparse_shared": (dict(mask=_block_sparse(27, (1, 1, T, S), tile, tile)), {}),
+      "block_sparse_heads_causal": (dict(mask=_block_sparse(28, (B, N, T, S), tile * 3 // 4, tile)
+                                         .at[0, 0].set(False), is_causal=True), {}),
+      "block_sparse_keys_lengths": (dict(mask=_block_sparse(29, (B, 1, 1, S), tile, tile),
+                                         **LENGTHS), {}),
       "bias_heads_rows_causal": (dict(is_causal=True), dict(bias=_rand(6, (1, N, T, 1)))),
       # dbias summed over broadcast batch / heads / query rows (the GPU's fp32 workspace)
       "bias_heads_causal": (dict(is_causal=True), dict(bias=_rand(18, (1, N, T, S)))),
@@ -207,6 +231,34 @@ def test_cuda_deterministic_head_dims(case, head_dims):
   if head_dims[0] not in jaxflash._ffi.cuda_bwd_head_dims():
     pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
   _check_case("cuda", case, GPU_T, GPU_S, *head_dims, deterministic=True)
+
+
+BLOCK_SPARSE_CASES = [c for c in CASES if c.startswith("block_sparse")]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+@pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (256, 256), (192, 128)],
+                         ids=lambda d: "%dx%d" % d)
+@pytest.mark.parametrize("case", BLOCK_SPARSE_CASES)
+def test_cuda_block_sparse_mask(case, head_dims, deterministic):
+  """The mask's tile summary: tiles with no True element skipped, all-True ones not tested per
+  element, mixed ones tested, on every tile shape of the forward (64 x 64 | 32 | 16 keys) and
+  of the backward (128 x 128, 64 x 128, 64 x 64) and in both dQ modes (the deterministic
+  order counts only the key tiles the mask leaves)."""
+  if head_dims[0] not in jaxflash._ffi.cuda_bwd_head_dims():
+    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
+  _check_case("cuda", case, GPU_T, GPU_S, *head_dims, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", BLOCK_SPARSE_CASES)
+def test_cuda_block_sparse_mask_word_rows(case, head_dim):
+  """S % 4 == 0: the summary reads the mask's rows 4 bytes at a time."""
+  _check_case("cuda", case, GPU_T, GPU_S - 1, head_dim, head_dim)
 
 
 @pytest.mark.gpu

@@ -399,6 +399,17 @@ __device__ __forceinline__ int2 key_tile_seg(const BwdParams& p, int64_t b, int 
   return seg_id_range(p.kv_segment_ids + b * p.s, n0, end, lane);
 }
 
+// Whether the mask's tile summary (MaskTiles) of a batch and head, `slab`, has a true element
+// where query tile m0 meets key tile n0: the main kernel's step skip and the deterministic dQ
+// order (dq_rank) take the same test. Rows past q_len and keys past S are not the tiles'.
+template <int M, int N>
+__device__ __forceinline__ bool mask_meets(const BwdParams& p, const uint8_t* slab, int m0,
+                                           int q_len, int n0) {
+  return MaskTiles(p).bits(slab, m0, min(m0 + M, q_len), n0,
+                           static_cast<int>(min(int64_t{n0} + N, p.s))) &
+         kMaskVisible;
+}
+
 // The variant kernel's view of its CTA (batch b, key tile at n0), in shared memory (written by
 // warp 0): the query tiles [m_first, m_first + n_m) holding a query that sees a key of the
 // tile through lengths, causal and window (the CPU kernel's query_range, tile by tile; exactly
@@ -408,8 +419,12 @@ struct KeyTile {
   int m_first, n_m;
   int q_len;    // valid query rows of batch b
   int2 kv_seg;  // segment id range of the tile's valid keys
+  int n0, head0;  // the tile's first key; the first query head of its kv head
+  int next[2];    // the live step after the one whose rules are in FwdVariants buffer i
 
-  __device__ void init(const BwdParams& p, int64_t b, int n0, int lane) {
+  __device__ void init(const BwdParams& p, int64_t b, int head0_, int n0_, int lane) {
+    n0 = n0_;
+    head0 = head0_;
     const int64_t q_raw = p.q_lengths ? p.q_lengths[b] : p.t;
     const int64_t kv_raw = p.kv_lengths ? p.kv_lengths[b] : p.s;
     const int64_t kv_len = valid_len(p.kv_lengths, b, p.s);
@@ -427,17 +442,37 @@ struct KeyTile {
     if (p.q_segment_ids) kv_seg = key_tile_seg<N>(p, b, n0, lane);
   }
 
-  // The first step at or after st (of iters; step = head * n_m + query tile) whose query
-  // tile's segment ids can meet the keys'. Query tiles repeat per head: a round of n_m dead
-  // steps means that every later one is dead too. Every warp computes the same answer.
+  // The first step at or after st (of iters; step = head * n_m + query tile) whose queries
+  // may see a key of the tile: the mask has a true element where they meet (its tile summary)
+  // and the query tile's segment ids can meet the keys'. Query tiles repeat per head: unless
+  // the mask differs between heads, a round of n_m dead steps means that every later one is
+  // dead too. Every warp computes the same answer.
   __device__ int next_live(const BwdParams& p, int64_t b, int st, int iters, int lane) const {
-    if (!p.q_segment_ids) return st;
+    if (!p.q_segment_ids && !p.mask_tiles) return st;
     const int32_t* q_seg = p.q_segment_ids + b * p.t;
-    for (int k = 0; k < n_m && st < iters; ++k, ++st) {
+    const int end = p.mask_tiles && p.mask_strides.head ? iters : min(iters, st + n_m);
+    for (; st < end; ++st) {
+      // One step at a time: a warp-wide search (first_live) spilled registers of the main loop.
       const int m0 = (m_first + st % n_m) * M;
-      if (seg_meet(seg_id_range(q_seg, m0, min(m0 + M, q_len), lane), kv_seg)) return st;
+      if (p.mask_tiles &&
+          !mask_meets<M, N>(p, p.mask_tiles + MaskTiles(p).slab(p, b, head0 + st / n_m), m0,
+                            q_len, n0))
+        continue;
+      if (!p.q_segment_ids ||
+          seg_meet(seg_id_range(q_seg, m0, min(m0 + M, q_len), lane), kv_seg))
+        return st;
     }
     return iters;
+  }
+
+  // Run by warp 0: buffer i, v, gets the rules of step st, and next[i] the live step after it
+  // (found here, by one warp, rather than by every thread at the top of the step).
+  template <typename T>
+  __device__ void ready(const BwdParams& p, FwdVariants<T, M, N>& v, int i, int64_t b, int st,
+                        int iters, int lane) {
+    v.init(p, b, head0 + st / n_m, (m_first + st % n_m) * M, lane);
+    v.settle_mask(p, n0, n0 + N);
+    next[i] = next_live(p, b, st + 1, iters, lane);
   }
 };
 
@@ -448,20 +483,26 @@ __device__ __forceinline__ float dz_of(float p_signed, float dp, float keep_scal
   return fabsf(p_signed) * (dp * (signbit(p_signed) ? 0.f : keep_scale) - dl);
 }
 
-// Deterministic dQ: the CTAs of the key tiles that a query tile's FwdVariants v sees, from its
-// first one (v.key_lo / N) on, add to its dq_accum rows one after the other. The rank of key
-// tile j is the number of such tiles before it that the segment ids leave live (the same test
-// as KeyTile::next_live, from the ids' ranges in kv_seg_range). Warp-wide.
+// Deterministic dQ: the CTAs of the key tiles that a query tile's FwdVariants v (of batch b,
+// head n) sees, from its first one (v.key_lo / N) on, add to its dq_accum rows one after the
+// other. The rank of key tile j is the number of such tiles before it that the mask and the
+// segment ids leave live (the same tests as KeyTile::next_live: mask_meets, and the ids'
+// ranges in kv_seg_range). Warp-wide.
 template <typename T, int M, int N>
-__device__ int dq_rank(const BwdParams& p, const FwdVariants<T, M, N>& v, int64_t b, int j,
-                       int n_key_tiles, int lane) {
+__device__ int dq_rank(const BwdParams& p, const FwdVariants<T, M, N>& v, int64_t b, int n,
+                       int j, int n_key_tiles, int lane) {
   const int j_lo = v.key_lo / N;
-  if (!p.q_segment_ids) return j - j_lo;
+  if (!p.q_segment_ids && !p.mask_tiles) return j - j_lo;
+  const uint8_t* slab = p.mask_tiles ? p.mask_tiles + MaskTiles(p).slab(p, b, n) : nullptr;
   const int2 q_seg = make_int2(v.q_seg_min, v.q_seg_max);
   int live = 0;
   for (int jj = j_lo + lane; jj < j; jj += 32) {
-    const int* r = p.kv_seg_range + (b * n_key_tiles + jj) * 2;
-    live += seg_meet(make_int2(r[0], r[1]), q_seg);
+    bool meets = !slab || mask_meets<M, N>(p, slab, v.m0, v.m0 + v.q_rows, jj * N);
+    if (meets && p.q_segment_ids) {
+      const int* r = p.kv_seg_range + (b * n_key_tiles + jj) * 2;
+      meets = seg_meet(make_int2(r[0], r[1]), q_seg);
+    }
+    live += meets;
   }
   return __reduce_add_sync(0xffffffffu, live);
 }
@@ -588,7 +629,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   int n_m = max(0, (seq_t + M - 1) / M - m_first);
   __shared__ std::conditional_t<kVariants, KeyTile<M, N>, NoVariants> kt;
   if constexpr (kVariants) {
-    if (tid < 32) kt.init(p, b, n0, tid);
+    if (tid < 32) kt.init(p, b, kh * G, n0, tid);
     __syncthreads();
     m_first = kt.m_first;
     n_m = kt.n_m;
@@ -602,8 +643,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   int cur = 0;  // variants: the current step
   if constexpr (kVariants) {
     cur = kt.next_live(p, b, 0, iters, tid % 32);
-    if (tid < 32 && cur < iters)
-      vs[0].init(p, b, kh * G + cur / n_m, (m_first + cur % n_m) * M, tid);
+    if (tid < 32 && cur < iters) kt.ready(p, vs[0], 0, b, cur, iters, tid);
   }
 
   const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + kh * p.k_head_stride +
@@ -673,7 +713,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
     const int n = kh * G + st / n_m;
     const int m0 = (m_first + st % n_m) * M;
     int next = st + 1;
-    if constexpr (kVariants) next = kt.next_live(p, b, next, iters, tid % 32);
+    if constexpr (kVariants) next = kt.next[buf];
     // The last step of head n in this CTA hands on its dalibi.
     const bool head_done = next >= iters || next / n_m != st / n_m;
     const uint32_t aQt = aQ + buf * M * D * 2, adOt = adO + buf * M * D * 2;  // (M, D) tiles
@@ -837,8 +877,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       cp_async_commit();
     }
     if constexpr (kVariants) {
-      if (tid < 32 && next < iters)  // vs[buf ^ 1] was last read by step it - 1
-        vs[buf ^ 1].init(p, b, kh * G + next / n_m, (m_first + next % n_m) * M, tid);
+      if (tid < 32 && next < iters)  // buffer buf ^ 1 was last read by step it - 1
+        kt.ready(p, vs[buf ^ 1], buf ^ 1, b, next, iters, tid);
       if (p.alibi_slopes && head_done && tid == 0) {  // the warps' partials, in a fixed order
         float x = 0.f;
         for (int w = 0; w < Cfg::kWarps; ++w) x += sAlibi[w];
@@ -865,7 +905,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
         if (p.deterministic) {
           turn = p.dq_turn + (int64_t{b} * p.n + n) * ((seq_t + M - 1) / M) + m0 / M;
           if (th.warp == 0) {
-            const int rank = dq_rank(p, vs[buf], b, key_tile, n_key_tiles, th.lane);
+            const int rank = dq_rank(p, vs[buf], b, n, key_tile, n_key_tiles, th.lane);
             if (th.lane == 0)
               while (ld_acquire(turn) != rank) __nanosleep(64);
           }

@@ -14,6 +14,8 @@
 // Variants (lengths, window, alignment, segment ids, mask, bias, soft cap, ALiBi, dropout;
 // semantics in jaxflash/reference.py) live in a second instantiation, kVariants, chosen at
 // launch when any is live, so the plain kernel keeps its registers and instruction stream.
+// A dense mask comes with its tile summary (launch.h MaskTiles): key tiles it hides are
+// skipped like those outside the key range, and all-true ones are not tested per element.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -187,6 +189,18 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
   return x ^ (x >> 15);
 }
 
+// The first i in [i0, end) for which live(i) holds, else end, 32 candidates per warp-wide
+// step (every lane calls it with the same i0 and end): a long run of tiles that a mask hides
+// costs one summary byte per lane, not a dependent load per tile.
+template <typename Live>
+__device__ __forceinline__ int first_live(int i0, int end, int lane, Live&& live) {
+  for (int i = i0; i < end; i += 32) {
+    const unsigned hits = __ballot_sync(0xffffffffu, i + lane < end && live(i + lane));
+    if (hits) return i + __ffs(static_cast<int>(hits)) - 1;
+  }
+  return end;
+}
+
 struct NoCapHook {
   __device__ void operator()(int, int, int, float) const {}
 };
@@ -211,6 +225,8 @@ struct FwdVariants {
   const int32_t* kv_seg;             // (S) segment ids of batch b
   const T* bias;                     // bias at (b, n, m0, 0); rows/cols via bias_strides
   const uint8_t* mask;               // mask at (b, n, m0, 0); rows/cols via mask_strides
+  const uint8_t* mask_slab;          // the mask's tile summary of (b, n) (MaskTiles); null
+                                     // without one, and once settle_mask has used it
 
   // Run by one whole warp (the segment id reduction is warp-wide).
   __device__ void init(const FwdParams& p, int64_t b, int64_t n, int m0_, int lane) {
@@ -233,7 +249,7 @@ struct FwdVariants {
     key_hi = static_cast<int>(max(hi, int64_t{key_lo}));
 
     bias = nullptr;
-    mask = nullptr;
+    mask = mask_slab = nullptr;
     const int64_t outer = b / p.batch_inner, bi = b % p.batch_inner;
     if (p.bias) {
       const BcastStrides& st = p.bias_strides;
@@ -243,6 +259,7 @@ struct FwdVariants {
     if (p.mask) {
       const BcastStrides& st = p.mask_strides;
       mask = p.mask + outer * st.outer + bi * st.batch + n * st.head + m0 * st.row;
+      if (p.mask_tiles) mask_slab = p.mask_tiles + MaskTiles(p).slab(p, b, n);
     }
     q_seg = kv_seg = nullptr;
     slope = 0.f;
@@ -267,12 +284,25 @@ struct FwdVariants {
     }
   }
 
-  // The first of the key tiles at n0, n0 + kBlockN, ... below key_hi whose segment ids can
-  // meet the query tile's (disjoint id ranges share no id), else key_hi or past it. Every
-  // warp computes the same answer from the same ids: the CTA stays uniform with no barrier.
-  __device__ int next_live(int n0, int lane) const {
-    if (!kv_seg) return n0;
+  // The first of the key tiles at n0, n0 + kBlockN, ... below key_hi that a query of the tile
+  // may see: the mask has a true element there (its tile summary) and the keys' segment ids
+  // can meet the queries' (disjoint id ranges share no id); else key_hi or past it. Every
+  // warp computes the same answer from the same bytes and ids: the CTA stays uniform with no
+  // barrier.
+  __device__ int next_live(const FwdParams& p, int n0, int lane) const {
+    if (!kv_seg && !mask_slab) return n0;
     for (; n0 < key_hi; n0 += kBlockN) {
+      if (mask_slab) {
+        const int r1 = m0 + min(kBlockM, q_rows), tiles = (key_hi - n0 + kBlockN - 1) / kBlockN;
+        const int skip = first_live(0, tiles, lane, [&](int i) {
+          const int c0 = n0 + i * kBlockN;
+          return (MaskTiles(p).bits(mask_slab, m0, r1, c0, min(c0 + kBlockN, key_hi)) &
+                  kMaskVisible) != 0;
+        });
+        n0 += skip * kBlockN;
+        if (n0 >= key_hi) break;
+      }
+      if (!kv_seg) break;
       int lo_id = INT_MAX, hi_id = INT_MIN;
 #pragma unroll
       for (int i = lane; i < kBlockN; i += 32)
@@ -302,6 +332,15 @@ struct FwdVariants {
     if (p.window_left >= 0) lo_d = clamp_diag(diag64 - min(p.window_left, int64_t{1} << 31));
     const int diag = clamp_diag(diag64);  // for ALiBi; exact for any real lengths
     const int kv_lim = kv_len - n0;       // tile columns c < kv_lim are valid keys
+    // The mask is read per element only where the summary has a false element in this block
+    // of rows and keys (a block with no valid row or key shows nothing whatever it reads).
+    const uint8_t* mask_el = mask;
+    if (mask_slab) {
+      const int r1 = min(warp_row + kMTiles * 16, q_rows), c1 = min(kNTilesS * 8, kv_lim);
+      if (r1 <= warp_row || c1 <= 0 ||
+          !(MaskTiles(p).bits(mask_slab, m0 + warp_row, m0 + r1, n0, n0 + c1) & kMaskHidden))
+        mask_el = nullptr;
+    }
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -317,8 +356,8 @@ struct FwdVariants {
             float& x = acc_s[mi][nt][2 * h + e];
             bool vis = row_ok && col < kv_lim && col - row >= lo_d && col - row <= hi_d;
             if (kv_seg) vis = vis && kv_seg[n0 + col] == row_seg;
-            if (mask)
-              vis = vis && mask[row * p.mask_strides.row + (n0 + col) * p.mask_strides.col] != 0;
+            if (mask_el)
+              vis = vis && mask_el[row * p.mask_strides.row + (n0 + col) * p.mask_strides.col] != 0;
             float y = x * p.scale;
             if (p.softcap > 0.f) {
               const float th = tanhf(y / p.softcap);
@@ -332,6 +371,16 @@ struct FwdVariants {
             x = vis ? y * 1.4426950408889634f : -INFINITY;
           }
       }
+  }
+
+  // For a CTA that keeps one key tile, [n0, n1) (the backward's): whether its rows test the mask
+  // per element is settled here, once for the whole tile, not per warp in logits.
+  __device__ void settle_mask(const FwdParams& p, int n0, int n1) {
+    if (!mask_slab) return;
+    const int r1 = m0 + min(kBlockM, q_rows), c1 = min(n1, kv_len);
+    if (r1 <= m0 || c1 <= n0 || !(MaskTiles(p).bits(mask_slab, m0, r1, n0, c1) & kMaskHidden))
+      mask = nullptr;
+    mask_slab = nullptr;
   }
 
   __device__ uint32_t drop_row(int row) const {
@@ -404,7 +453,7 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kHeadDimV, kVariants>::kTh
     if (warp == 0) vs.init(p, b, n, m0, lane);  // while Q lands
     __syncthreads();
     key_hi = kv_end = vs.key_hi;
-    n0 = vs.next_live(vs.key_lo, lane);
+    n0 = vs.next_live(p, vs.key_lo, lane);
   }
   if (n0 < key_hi) {
     TileQK::template load_tile<kBlockN>(sK, gK + n0 * p.k_row_stride, p.k_row_stride,
@@ -448,7 +497,7 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kHeadDimV, kVariants>::kTh
     cp_async_wait<0>();
     __syncthreads();
     int next = n0 + kBlockN;
-    if constexpr (kVariants) next = vs.next_live(next, lane);
+    if constexpr (kVariants) next = vs.next_live(p, next, lane);
     if (next < key_hi) {
       TileQK::template load_tile<kBlockN>(sK + (stage ^ 1) * Cfg::kTileK,
                                           gK + next * p.k_row_stride, p.k_row_stride,

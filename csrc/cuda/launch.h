@@ -24,6 +24,53 @@ inline const char* live_variant(const FwdParams& p) {
   return nullptr;
 }
 
+// The mask's tile summary (FwdParams::mask_tiles), written by summarize_mask before the
+// variant kernels run (the forward and backward handlers each write their own): one byte per
+// kMaskTile x kMaskTile tile of the mask as the user stored it, kMaskVisible if some element of
+// the tile is true, | kMaskHidden if some is false, so that the bytes of several tiles combine
+// by OR. The kernels skip the key tiles with no visible element and test the mask per element
+// only in tiles with a hidden one. A broadcast dim keeps one tile, as the mask keeps one
+// element: a (1, 1, T, S) mask has one summary for every batch and head. Layout (outer, B|1,
+// N|1, T tiles|1, S tiles|1), as the mask's.
+constexpr int kMaskTile = 64;
+constexpr uint8_t kMaskVisible = 1, kMaskHidden = 2;
+
+struct MaskTiles {
+  int64_t batches, heads, rows, cols;  // extents of the B|1, N|1, T tiles|1, S tiles|1 dims
+
+  __host__ __device__ explicit MaskTiles(const FwdParams& p) {
+    const BcastStrides& st = p.mask_strides;
+    batches = st.batch ? p.batch_inner : 1;
+    heads = st.head ? p.n : 1;
+    rows = st.row ? (p.t + kMaskTile - 1) / kMaskTile : 1;
+    cols = st.col ? (p.s + kMaskTile - 1) / kMaskTile : 1;
+  }
+  // Bytes of the summary of p's mask (0 without one): T * S / 4096 per stored (b, n) at most.
+  __host__ __device__ static int64_t bytes(const FwdParams& p) {
+    if (!p.mask || p.t == 0 || p.s == 0) return 0;  // an empty mask has no tile
+    const MaskTiles mt(p);
+    return p.b / p.batch_inner * mt.batches * mt.heads * mt.rows * mt.cols;
+  }
+  // Offset of the summary of flattened batch b, head n (its row tile 0, key tile 0).
+  __host__ __device__ int64_t slab(const FwdParams& p, int64_t b, int64_t n) const {
+    const int64_t bi = batches > 1 ? b % p.batch_inner : 0;
+    return ((b / p.batch_inner * batches + bi) * heads + (heads > 1 ? n : 0)) * rows * cols;
+  }
+  // OR of the summary bytes at `slab` (p.mask_tiles + slab(p, b, n)) over the tiles that hold
+  // mask rows [r0, r1) and keys [c0, c1), both non-empty and inside (T, S).
+  __device__ int bits(const uint8_t* slab, int r0, int r1, int c0, int c1) const {
+    int out = 0;
+    for (int i = r0 / kMaskTile; i <= (r1 - 1) / kMaskTile; ++i)
+      for (int j = c0 / kMaskTile; j <= (c1 - 1) / kMaskTile; ++j)
+        out |= slab[(rows > 1 ? i : 0) * cols + (cols > 1 ? j : 0)];
+    return out;
+  }
+};
+
+// Writes the summary of p.mask to `tiles` (MaskTiles::bytes(p) bytes of device memory), which
+// the caller then passes to the kernels as p.mask_tiles.
+void summarize_mask(const FwdParams& p, uint8_t* tiles, cudaStream_t stream);
+
 // T is __half or __nv_bfloat16; kHeadDim is H and kHeadDimV >= Hv (dispatch_fwd_head_dims
 // says which pair runs which (H, Hv)). Every variant of p is supported, and p.o_f32 (which
 // the sm90 forward does not write).
