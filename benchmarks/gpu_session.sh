@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
-# (tests, gpu-suite, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg,
+# (tests, gpu-suite, gpu-suite-sm80, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg,
 # sanitize-hdims, ...), each logged under $OUT.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
 # jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so.
@@ -27,11 +27,16 @@ for stage in "$@"; do
           timeout 60 python3 benchmarks/profile_kernels.py --small --D $D $c --reps 1 || echo "SMOKE FAILED D=$D $c"
         done; done ;;
     tests) timeout 420 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    # the plain-attention suite on the kernels the device picks, then on the sm80 ones
-    tests-core) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention.py \
-        tests/test_transforms.py tests/test_gpu.py tests/test_errors.py 2>&1 | tee "$OUT/tests_core.log" | tail -15 ;;
-    tests-core-sm80) JAXFLASH_DISABLE_SM90=1 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/test_attention.py 2>&1 | tee "$OUT/tests_core_sm80.log" | tail -8 ;;
+    # The whole GPU suite in 8 workers (compiling dominates; memory on demand), the >2^31-element
+    # tests alone first; then the plain-attention tests again on the sm80 kernels.
+    gpu-suite) export XLA_PYTHON_CLIENT_PREALLOCATE=false
+        timeout 200 python3 -m pytest -q -m gpu -rfE --timeout 150 -p no:cacheprovider \
+          tests/test_gpu.py 2>&1 | tee "$OUT/gpu_suite.log" | tail -4
+        timeout 420 python3 -m pytest -q -m gpu -rfE -n 8 --timeout 300 -p no:cacheprovider \
+          --ignore tests/test_gpu.py tests 2>&1 | tee -a "$OUT/gpu_suite.log" | tail -15 ;;
+    gpu-suite-sm80) XLA_PYTHON_CLIENT_PREALLOCATE=false JAXFLASH_DISABLE_SM90=1 timeout 300 \
+        python3 -m pytest -q -m gpu -rfE -n 8 --timeout 300 -p no:cacheprovider \
+        tests/test_attention.py tests/test_transforms.py 2>&1 | tee "$OUT/gpu_suite_sm80.log" | tail -8 ;;
     # the dense mask's tile summary: block-sparse masks on every tile shape, and the other masks
     mask) timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_variants.py \
         -k "block_sparse or mask" 2>&1 | tee "$OUT/mask.log" | tail -25 ;;

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def window_bounds(local_window_size):
@@ -136,7 +137,9 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None,
   scale = 1.0 / math.sqrt(H) if scale is None else scale
 
   q = query.reshape(B, T, K, G, H)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q, key).astype(dtype)
+  # HIGHEST: XLA's default rounds float32 products to TF32 on Ampere+ GPUs, which would make
+  # the float32 reference no better than the kernels it checks. Exact for 16-bit inputs.
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, key, precision=HIGHEST).astype(dtype)
   logits = logits.reshape(B, N, T, S).astype(jnp.float32) * scale
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
@@ -171,5 +174,5 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None,
     keep = dropout_keep(seeds, N, T, S, dropout_rate)
     probs = probs * jnp.where(keep, np.float32(1.0 / (1.0 - np.float32(dropout_rate))), 0.0)
   probs = probs.astype(dtype).reshape(B, K, G, T, S)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, value).astype(dtype)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, value, precision=HIGHEST).astype(dtype)
   return out.reshape(B, T, N, value.shape[-1]), lse

@@ -606,28 +606,37 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kHeadDimV, kVariants>::kTh
         }
       }
 
-    // O += P V: P's accumulator tiles 2kk, 2kk+1 are the A fragment of k16 step kk.
+    // O += P V: P's accumulator tiles 2kk, 2kk+1 are the A fragment of k16 step kk. For
+    // o_f32 (the backward's delta) P is split into P_hi + P_lo, both in T, and the GEMM run on
+    // each, so that O carries P to ~16 bits and delta = rowsum(dO O) matches the backward's
+    // fp32 P; one rounding of P in T misses it by dO (P~ - P) V, summed by dbias over rows.
     const uint32_t v_addr_j = v_addr + stage * Cfg::kTileV * sizeof(T);
+    const int p_parts = kVariants && p.o_f32 ? 2 : 1;
+#pragma unroll 1
+    for (int part = 0; part < p_parts; ++part) {
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t rP[kMTiles][4];
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t rP[kMTiles][4];
 #pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi) {
-        rP[mi][0] = pack2<T>(acc_s[mi][2 * kk][0], acc_s[mi][2 * kk][1]);          // row g, k 0..7
-        rP[mi][1] = pack2<T>(acc_s[mi][2 * kk][2], acc_s[mi][2 * kk][3]);          // row g+8, k 0..7
-        rP[mi][2] = pack2<T>(acc_s[mi][2 * kk + 1][0], acc_s[mi][2 * kk + 1][1]);  // row g, k 8..15
-        rP[mi][3] = pack2<T>(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);  // row g+8, k 8..15
-      }
+        for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
-      for (int dj = 0; dj < kHeadDimV / 16; ++dj) {
-        // B fragments (V, transposed on load) of head-dim n8 tiles 2dj and 2dj+1
-        uint32_t rV[4];
-        ldmatrix_x4_trans(rV, Cfg::step16(v_addr_j, dj) + kk * 16 * kRowBytesV);
-        const uint32_t b0[2] = {rV[0], rV[1]}, b1[2] = {rV[2], rV[3]};
+          for (int r = 0; r < 4; ++r) {  // r: (row g | g+8) x (k 0..7 | 8..15)
+            float (&pt)[4] = acc_s[mi][2 * kk + r / 2];
+            const float x0 = pt[(r % 2) * 2], x1 = pt[(r % 2) * 2 + 1];
+            rP[mi][r] = part == 0 ? pack2<T>(x0, x1)
+                                  : pack2<T>(rounding_residue<T>(x0), rounding_residue<T>(x1));
+          }
 #pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi) {
-          mma_16816<T>(acc_o[mi][2 * dj], rP[mi], b0);
-          mma_16816<T>(acc_o[mi][2 * dj + 1], rP[mi], b1);
+        for (int dj = 0; dj < kHeadDimV / 16; ++dj) {
+          // B fragments (V, transposed on load) of head-dim n8 tiles 2dj and 2dj+1
+          uint32_t rV[4];
+          ldmatrix_x4_trans(rV, Cfg::step16(v_addr_j, dj) + kk * 16 * kRowBytesV);
+          const uint32_t b0[2] = {rV[0], rV[1]}, b1[2] = {rV[2], rV[3]};
+#pragma unroll
+          for (int mi = 0; mi < kMTiles; ++mi) {
+            mma_16816<T>(acc_o[mi][2 * dj], rP[mi], b0);
+            mma_16816<T>(acc_o[mi][2 * dj + 1], rP[mi], b1);
+          }
         }
       }
     }

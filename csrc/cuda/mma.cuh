@@ -126,6 +126,12 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// What pack2 drops of x: x minus x rounded to T (the low part of a two-term split).
+template <typename T>
+__device__ __forceinline__ float rounding_residue(float x) {
+  return x - static_cast<float>(static_cast<T>(x));
+}
+
 // 4-byte global->shared copy (fp32 row statistics, not 16-byte aligned); zero-fills when !pred.
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pred) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)),

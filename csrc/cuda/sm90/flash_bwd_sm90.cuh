@@ -14,7 +14,10 @@
 //       dV += P^T dO, dK += dS^T Q                       (64, H), A from registers
 //       dQ = dS K over both warpgroups' 128 keys         (64, 64) per warpgroup, dS^T through
 //                                                        smem, both operands MN-major
-//     and add dQ into dq_accum with fp32 vector atomics (rows past T dropped).
+//     and store dQ (fp32) into a shared tile;
+//   - warp 1 of warpgroup 0, the dQ writer: adds each step's dQ tile into dq_accum with bulk
+//     reduce-adds (cp.reduce.async.bulk, done in the L2), so the consumers issue no atomics
+//     and go on to the next step's S^T while the tile drains.
 //   H = 128 runs kBlockM = 64 (the warpgroups split dQ's columns), H = 64 kBlockM = 128 (they
 //   split its rows): every wgmma has N >= 64 and the dQ split falls on whole swizzle atoms.
 // Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is
@@ -44,14 +47,18 @@ struct BwdCfgSm90 {
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // queries per step
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // K or V
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);   // one Q or dO stage
   static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T buffer
+  // dQ's fp32 rows are padded by 8 floats: a warp's float2 stores (8 rows x 32 bytes) then
+  // fall on 2 wavefronts, and every row stays 16-byte aligned for the bulk copies.
+  static constexpr int kDQStride = kHeadDim + 8;
+  static constexpr uint32_t kDQBytes = kBlockM * kDQStride * 4;
   // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kStages], sdS[2],
-  // lse[kStages], delta[kStages] (kBlockM floats each), then the mbarriers kv, full[kStages],
-  // empty[kStages].
+  // lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the mbarriers kv,
+  // full[kStages], empty[kStages], dq_full, dq_empty.
   static constexpr uint32_t kOffK = 0;
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;
@@ -59,8 +66,9 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kOffDS = kOffDO + kStages * kQBytes;
   static constexpr uint32_t kOffLse = kOffDS + 2 * kDSBytes;
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
-  static constexpr uint32_t kOffBar = kOffDelta + kStages * kBlockM * 4;
-  static constexpr int kSmemBytes = kOffBar + (1 + 2 * kStages) * 8 + 1024;
+  static constexpr uint32_t kOffDQ = kOffDelta + kStages * kBlockM * 4;
+  static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
+  static constexpr int kSmemBytes = kOffBar + (3 + 2 * kStages) * 8 + 1024;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 backward head dims");
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
@@ -87,11 +95,14 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sQ = base + Cfg::kOffQ;    // (kStages, H / 64, kBlockM, 64)
   const uint32_t sdO = base + Cfg::kOffDO;  // (kStages, H / 64, kBlockM, 64)
   const uint32_t sdS = base + Cfg::kOffDS;  // (2, kBlockM / 64, kBlockN, 64): dS^T
+  const uint32_t sdQ = base + Cfg::kOffDQ;  // (kBlockM, kDQStride) fp32
   float* sLse = reinterpret_cast<float*>(smem + Cfg::kOffLse);      // (kStages, kBlockM)
   float* sDelta = reinterpret_cast<float*>(smem + Cfg::kOffDelta);  // (kStages, kBlockM)
   const uint32_t bar_kv = base + Cfg::kOffBar;
   const uint32_t bar_full = bar_kv + 8;                 // full[stage] at + 8 * stage
   const uint32_t bar_empty = bar_full + 8 * kStages;    // empty[stage]
+  const uint32_t bar_dq_full = bar_empty + 8 * kStages;  // sdQ holds a step's dQ
+  const uint32_t bar_dq_empty = bar_dq_full + 8;         // the writer has read sdQ
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // blockIdx.x enumerates (b, kv head, key tile), key tile fastest: the CTAs of one kv head
@@ -116,6 +127,8 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(bar_full + 8 * s, 32);  // every lane of the producer warp (lse, delta rows)
       mbar_init(bar_empty + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
     }
+    mbar_init(bar_dq_full, 8);
+    mbar_init(bar_dq_empty, 1);
     mbar_fence_init();
   }
   __syncthreads();
@@ -163,6 +176,24 @@ __global__ void __launch_bounds__(384, 1)
           mbar_arrive(full);
         }
       }
+    } else if (warp == 1) {
+      // dq_accum[b, m0 + r, n, :] += sdQ[r, :H] per row r < T - m0, the lanes taking rows in
+      // turn; sdQ is released once read, the adds complete in the L2 on their own.
+      constexpr uint32_t kRowBytes32 = Cfg::kDQStride * 4;
+      for (int it = 0; it < n_steps; ++it) {
+        const int64_t n = step_head(it);
+        const int m0 = step_m0(it);
+        mbar_wait(bar_dq_full, it & 1);
+        float* gdq = p.dq_accum + ((b * p.t + m0) * p.n + n) * kHeadDim;
+        for (int r = lane; r < kBlockM && m0 + r < t_len; r += 32)
+          bulk_reduce_add_f32(gdq + static_cast<int64_t>(r) * p.n * kHeadDim,
+                              sdQ + r * kRowBytes32, kHeadDim * 4);
+        bulk_commit();
+        bulk_wait_all<true>();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_dq_empty);
+      }
+      bulk_wait_all<false>();
     }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
@@ -302,19 +333,19 @@ __global__ void __launch_bounds__(384, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * s);
 
-      // dq_accum[b, m0 + row, n, col] += dQ (rows (b, t, n) of bwd_width(H) = H floats).
-      constexpr int kWidth = kHeadDim;
-      float* gdq = p.dq_accum + ((b * p.t + m0 + dq_row0) * p.n + n) * kWidth + dq_col0;
+      // dQ into sdQ[dq_row0 + row, dq_col0 + col], once the writer has read step it - 1's.
+      if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = 16 * wi + g + 8 * h;
-        if (m0 + dq_row0 + row < t_len) {
-          float* dst = gdq + static_cast<int64_t>(row) * p.n * kWidth + 2 * tig;
+        const int row = dq_row0 + 16 * wi + g + 8 * h;
 #pragma unroll
-          for (int i = 0; i < 8; ++i)
-            bwd::atomic_add2(dst + 8 * i, acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
-        }
+        for (int i = 0; i < 8; ++i)
+          sts_f32x2(sdQ + (row * Cfg::kDQStride + dq_col0 + 8 * i + 2 * tig) * 4,
+                         acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
       }
+      fence_proxy_async();  // the writer's bulk copies read sdQ through the async proxy
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_dq_full);
     }
 
     // dK = scale * acc_dk, dV = acc_dv in the input dtype; keys past S are not stored.
