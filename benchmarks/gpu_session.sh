@@ -27,16 +27,19 @@ for stage in "$@"; do
           timeout 60 python3 benchmarks/profile_kernels.py --small --D $D $c --reps 1 || echo "SMOKE FAILED D=$D $c"
         done; done ;;
     tests) timeout 420 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    # The whole GPU suite in 8 workers (compiling dominates; memory on demand), the >2^31-element
-    # tests alone first; then the plain-attention tests again on the sm80 kernels.
-    gpu-suite) export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    # The whole GPU suite in 12 workers (compiling dominates: no GEMM autotuning, memory on
+    # demand), the >2^31-element tests alone first; then the plain-attention tests again on the
+    # sm80 kernels. Failures print as they happen.
+    gpu-suite) export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0
         timeout 200 python3 -m pytest -q -m gpu -rfE --timeout 150 -p no:cacheprovider \
           tests/test_gpu.py 2>&1 | tee "$OUT/gpu_suite.log" | tail -4
-        timeout 420 python3 -m pytest -q -m gpu -rfE -n 8 --timeout 300 -p no:cacheprovider \
-          --ignore tests/test_gpu.py tests 2>&1 | tee -a "$OUT/gpu_suite.log" | tail -15 ;;
-    gpu-suite-sm80) XLA_PYTHON_CLIENT_PREALLOCATE=false JAXFLASH_DISABLE_SM90=1 timeout 300 \
-        python3 -m pytest -q -m gpu -rfE -n 8 --timeout 300 -p no:cacheprovider \
-        tests/test_attention.py tests/test_transforms.py 2>&1 | tee "$OUT/gpu_suite_sm80.log" | tail -8 ;;
+        timeout 480 python3 -m pytest -v -m gpu -rfE -n 12 --timeout 300 -p no:cacheprovider \
+          --ignore tests/test_gpu.py tests 2>&1 | tee -a "$OUT/gpu_suite.log" \
+          | grep -E "FAILED|ERROR|passed|failed" ;;
+    gpu-suite-sm80) XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
+        JAXFLASH_DISABLE_SM90=1 timeout 300 python3 -m pytest -v -m gpu -rfE -n 12 --timeout 300 \
+        -p no:cacheprovider tests/test_attention.py tests/test_transforms.py 2>&1 \
+        | tee "$OUT/gpu_suite_sm80.log" | grep -E "FAILED|ERROR|passed|failed" ;;
     # the dense mask's tile summary: block-sparse masks on every tile shape, and the other masks
     mask) timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_variants.py \
         -k "block_sparse or mask" 2>&1 | tee "$OUT/mask.log" | tail -25 ;;
