@@ -615,8 +615,16 @@ def test_o_f32_residual(impl, dtype):
         for o in (out_f32, None, out.astype(jnp.float32)))
   assert (no_variant[2].astype(dtype) == no_variant[0]).all()
   assert out_f32.dtype == jnp.float32 and out_f32.shape == out.shape
-  assert (out_f32.astype(dtype) == out).all() and (out == plain_out).all()
+  assert (out_f32.astype(dtype) == out).all()
   assert (out_f32 != out.astype(jnp.float32)).any()  # more bits than out
+  # On the GPU a forward keeping out_f32 runs P V on P split in two (P_hi + P_lo): its out is
+  # at least as close to the float32 reference as the plain forward's.
+  ref_out, _ = attention_reference(*_cast((q, k, v), jnp.float32), bias=bias,
+                                   is_causal=True, scale=h ** -0.5)
+  ref_out = np.asarray(ref_out)
+  err_keep, err_plain = (np.abs(np.asarray(o, np.float32) - ref_out).max()
+                         for o in (out_f32, plain_out))
+  assert err_keep <= err_plain, (err_keep, err_plain)
   np.testing.assert_array_equal(dbias_rounded, dbias_stored)  # delta reads the operand
   want = np.asarray(dlse.sum(0))[None, :, :, None]
   err_f32, err_stored = (np.abs(d - want).max() for d in (dbias_f32, dbias_stored))

@@ -366,6 +366,18 @@ __device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
   return v;
 }
 
+// A pair of P as (T(P) in sP, residue): the residue P - T(P) as fp16 pairs, and P back from both.
+template <typename T>
+__device__ __forceinline__ uint32_t p_residue(float p0, float p1) {
+  return pack2<__half>(rounding_residue<T>(p0), rounding_residue<T>(p1));
+}
+
+template <typename T>
+__device__ __forceinline__ float2 kept_p(uint32_t p_rounded, uint32_t residue) {
+  const float2 hi = unpack2<T>(p_rounded), lo = unpack2<__half>(residue);
+  return make_float2(hi.x + lo.x, hi.y + lo.y);
+}
+
 __device__ __forceinline__ int ld_acquire(const int* ptr) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
@@ -733,9 +745,12 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       // Element e of tile (i, j): query s_q0 + 16 i + g + 8 (e / 2), key s_k0 + 8 j + 2 tq + e % 2.
 
       // S = Q K^T: (kRowsS, 32) per warp; then P = exp2(S * scale_log2 - lse * log2e), masked,
-      // to sP as T and kept as fp16 pairs (16-bit registers: with P and dP both fp32 next to
-      // the dK, dV accumulators the kernel spilled; fp16 keeps 11 bits of P <= 1, which dS
-      // rounded to T does not need more of). lse == -inf (no visible key) becomes +inf: P = 0.
+      // to sP as T. For dS, P is T(P) from this thread's own sP slots plus the rounding residue
+      // kept as fp16 pairs in rP (~19 bits at 16 bits a register: fp32 P next to dP and the
+      // dK, dV accumulators spills). dS from a once-rounded P would miss delta = rowsum(P dP)
+      // by a row-wise bias, which dbias sums over rows. Under dropout sP holds T(P keep), so
+      // rP holds fp16(P) instead, its sign bit set where the element is dropped.
+      // lse == -inf (no visible key) becomes +inf: P = 0.
       uint32_t rP[kMi][4][2];
       if constexpr (kVariants) {
         // Logits by the forward's rules (log2 units, -inf where invisible), P, and P keep to sP;
@@ -767,8 +782,10 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
               }
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
               sts_u32(aP + at, pack2<T>(pv[0] * keep[0], pv[1] * keep[1]));
-              rP[i][j][h] = pack2<__half>(keep[0] == 0.f ? -pv[0] : pv[0],
-                                          keep[1] == 0.f ? -pv[1] : pv[1]);
+              rP[i][j][h] = p.dropout_seeds
+                                ? pack2<__half>(keep[0] == 0.f ? -pv[0] : pv[0],
+                                                keep[1] == 0.f ? -pv[1] : pv[1])
+                                : p_residue<T>(pv[0], pv[1]);
             }
           }
         }
@@ -796,7 +813,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
               }
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
               sts_u32(aP + at, pack2<T>(pv[0], pv[1]));
-              rP[i][j][h] = pack2<__half>(pv[0], pv[1]);
+              rP[i][j][h] = p_residue<T>(pv[0], pv[1]);
             }
           }
         }
@@ -819,8 +836,9 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
             const float dl = tDelta[qr];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-              const float2 pv = __half22float2(*reinterpret_cast<const __half2*>(&rP[i][j][h]));
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
+              const float2 pv = p.dropout_seeds ? unpack2<__half>(rP[i][j][h])
+                                                : kept_p<T>(lds_u32(aP + at), rP[i][j][h]);
               float2 cap = make_float2(1.f, 1.f);
               if (p.softcap > 0.f) {
                 const uint32_t c2 = lds_u32(adS + at);
@@ -860,8 +878,8 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
             const float dl = tDelta[s_q0 + 16 * i + 8 * h + g];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-              const float2 pv = __half22float2(*reinterpret_cast<const __half2*>(&rP[i][j][h]));
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
+              const float2 pv = kept_p<T>(lds_u32(aP + at), rP[i][j][h]);
               sts_u32(adS + at, pack2<T>(pv.x * (acc_dp[i][j][2 * h] - dl),
                                          pv.y * (acc_dp[i][j][2 * h + 1] - dl)));
             }
