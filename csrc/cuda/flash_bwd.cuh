@@ -366,16 +366,24 @@ __device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
   return v;
 }
 
-// A pair of P as (T(P) in sP, residue): the residue P - T(P) as fp16 pairs, and P back from both.
+// P kept for dS as sP's T(P keep) and a residue in fp16: P - T(P keep) / keep, or -P where
+// dropout drops the element (keep 0, sP 0), so that sP / keep + residue is P, signed as dz_of
+// reads it. keep = inv_keep = 1 without dropout.
 template <typename T>
-__device__ __forceinline__ uint32_t p_residue(float p0, float p1) {
-  return pack2<__half>(rounding_residue<T>(p0), rounding_residue<T>(p1));
+__device__ __forceinline__ float p_residue(float p, float keep, float inv_keep) {
+  return keep == 0.f ? -p : p - static_cast<float>(static_cast<T>(p * keep)) * inv_keep;
 }
 
 template <typename T>
-__device__ __forceinline__ float2 kept_p(uint32_t p_rounded, uint32_t residue) {
-  const float2 hi = unpack2<T>(p_rounded), lo = unpack2<__half>(residue);
-  return make_float2(hi.x + lo.x, hi.y + lo.y);
+__device__ __forceinline__ uint32_t p_residue2(float p0, float p1, float keep0 = 1.f,
+                                               float keep1 = 1.f, float inv_keep = 1.f) {
+  return pack2<__half>(p_residue<T>(p0, keep0, inv_keep), p_residue<T>(p1, keep1, inv_keep));
+}
+
+template <typename T>
+__device__ __forceinline__ float2 kept_p(uint32_t p_kept, uint32_t residue, float inv_keep = 1.f) {
+  const float2 hi = unpack2<T>(p_kept), lo = unpack2<__half>(residue);
+  return make_float2(fmaf(hi.x, inv_keep, lo.x), fmaf(hi.y, inv_keep, lo.y));
 }
 
 __device__ __forceinline__ int ld_acquire(const int* ptr) {
@@ -745,11 +753,10 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       // Element e of tile (i, j): query s_q0 + 16 i + g + 8 (e / 2), key s_k0 + 8 j + 2 tq + e % 2.
 
       // S = Q K^T: (kRowsS, 32) per warp; then P = exp2(S * scale_log2 - lse * log2e), masked,
-      // to sP as T. For dS, P is T(P) from this thread's own sP slots plus the rounding residue
-      // kept as fp16 pairs in rP (~19 bits at 16 bits a register: fp32 P next to dP and the
-      // dK, dV accumulators spills). dS from a once-rounded P would miss delta = rowsum(P dP)
-      // by a row-wise bias, which dbias sums over rows. Under dropout sP holds T(P keep), so
-      // rP holds fp16(P) instead, its sign bit set where the element is dropped.
+      // to sP as T. For dS, P is read back from this thread's own sP slots plus the residue
+      // kept as fp16 pairs in rP (p_residue: ~19 bits at 16 bits a register, where fp32 P next
+      // to dP and the dK, dV accumulators spills). dS from a once-rounded P would miss
+      // delta = rowsum(P dP) by a row-wise bias, which dbias sums over rows.
       // lse == -inf (no visible key) becomes +inf: P = 0.
       uint32_t rP[kMi][4][2];
       if constexpr (kVariants) {
@@ -757,6 +764,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
         // rP holds P with the sign bit set where dropout drops it, for dZ. The soft cap's
         // derivative waits as fp16 in this thread's own slots of sdS until dS replaces it.
         const FwdVariants<T, M, N>& v = vs[buf];
+        const float inv_keep = 1.f / v.keep_scale;  // 1 without dropout
         float acc_s[kMi][4][4] = {};
         gemm_abt<T, kMi, D, D>(acc_s, aQt + s_q0 * D * 2, aK + s_k0 * D * 2, offA, offB);
         v.logits(p, acc_s, n0 + s_k0, s_q0, g, tq, [&](int i, int j, int c, float dcap) {
@@ -782,10 +790,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
               }
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
               sts_u32(aP + at, pack2<T>(pv[0] * keep[0], pv[1] * keep[1]));
-              rP[i][j][h] = p.dropout_seeds
-                                ? pack2<__half>(keep[0] == 0.f ? -pv[0] : pv[0],
-                                                keep[1] == 0.f ? -pv[1] : pv[1])
-                                : p_residue<T>(pv[0], pv[1]);
+              rP[i][j][h] = p_residue2<T>(pv[0], pv[1], keep[0], keep[1], inv_keep);
             }
           }
         }
@@ -813,7 +818,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
               }
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
               sts_u32(aP + at, pack2<T>(pv[0], pv[1]));
-              rP[i][j][h] = p_residue<T>(pv[0], pv[1]);
+              rP[i][j][h] = p_residue2<T>(pv[0], pv[1]);
             }
           }
         }
@@ -825,6 +830,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
         // (d Z / d slope = -|s - t - shift| = -|key - row - diag| in tile terms, as in logits)
         // and dbias.
         const FwdVariants<T, M, N>& v = vs[buf];
+        const float inv_keep = 1.f / v.keep_scale;  // 1 without dropout
         float acc_dp[kMi][4][4] = {};
         gemm_abt<T, kMi, D, D>(acc_dp, adOt + s_q0 * D * 2, aV + s_k0 * D * 2, offA, offB);
         const int diag = clamp_diag(int64_t{m0} - (n0 + s_k0) + v.shift);
@@ -837,8 +843,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
-              const float2 pv = p.dropout_seeds ? unpack2<__half>(rP[i][j][h])
-                                                : kept_p<T>(lds_u32(aP + at), rP[i][j][h]);
+              const float2 pv = kept_p<T>(lds_u32(aP + at), rP[i][j][h], inv_keep);
               float2 cap = make_float2(1.f, 1.f);
               if (p.softcap > 0.f) {
                 const uint32_t c2 = lds_u32(adS + at);
