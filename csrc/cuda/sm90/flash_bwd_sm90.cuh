@@ -14,10 +14,11 @@
 //       dV += P^T dO, dK += dS^T Q                       (64, H), A from registers
 //       dQ = dS K over both warpgroups' 128 keys         (64, 64) per warpgroup, dS^T through
 //                                                        smem, both operands MN-major
-//     and store dQ (fp32) into a shared tile;
-//   - warp 1 of warpgroup 0, the dQ writer: adds each step's dQ tile into dq_accum with bulk
-//     reduce-adds (cp.reduce.async.bulk, done in the L2), so the consumers issue no atomics
-//     and go on to the next step's S^T while the tile drains.
+//     and, at H = 128 (kDQWriter), store dQ (fp32) into a shared tile, which warp 1 of
+//     warpgroup 0, the dQ writer, adds into dq_accum with bulk reduce-adds (cp.reduce.async.bulk,
+//     done in the L2): the consumers issue no atomics and go on to the next step's S^T while
+//     the tile drains. At H = 64 they add dQ with fp32 vector atomics themselves (the writer
+//     measured 373 -> 258 TFLOP/s there, 402 -> 422 at H = 128; benchmarks/NOTES.md).
 //   H = 128 runs kBlockM = 64 (the warpgroups split dQ's columns), H = 64 kBlockM = 128 (they
 //   split its rows): every wgmma has N >= 64 and the dQ split falls on whole swizzle atoms.
 // Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is
@@ -47,15 +48,18 @@ struct BwdCfgSm90 {
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // queries per step
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // K or V
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);   // one Q or dO stage
   static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T buffer
+  static constexpr bool kDQWriter = kHeadDim == 128;
+  // The writer's loop needs 40 registers in the producer warpgroup (24 spilled).
+  static constexpr int kProducerRegs = kDQWriter ? 40 : 24;
+  static constexpr int kConsumerRegs = kDQWriter ? 232 : 240;
   // dQ's fp32 rows are padded by 8 floats: a warp's float2 stores (8 rows x 32 bytes) then
   // fall on 2 wavefronts, and every row stays 16-byte aligned for the bulk copies.
   static constexpr int kDQStride = kHeadDim + 8;
-  static constexpr uint32_t kDQBytes = kBlockM * kDQStride * 4;
+  static constexpr uint32_t kDQBytes = kDQWriter ? kBlockM * kDQStride * 4 : 0;
   // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kStages], sdS[2],
   // lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the mbarriers kv,
   // full[kStages], empty[kStages], dq_full, dq_empty.
@@ -176,7 +180,7 @@ __global__ void __launch_bounds__(384, 1)
           mbar_arrive(full);
         }
       }
-    } else if (warp == 1) {
+    } else if (Cfg::kDQWriter && warp == 1) {
       // dq_accum[b, m0 + r, n, :] += sdQ[r, :H] per row r < T - m0, the lanes taking rows in
       // turn; sdQ is released once read, the adds complete in the L2 on their own.
       constexpr uint32_t kRowBytes32 = Cfg::kDQStride * 4;
@@ -333,19 +337,34 @@ __global__ void __launch_bounds__(384, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * s);
 
-      // dQ into sdQ[dq_row0 + row, dq_col0 + col], once the writer has read step it - 1's.
-      if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
+      if constexpr (Cfg::kDQWriter) {
+        // dQ into sdQ[dq_row0 + row, dq_col0 + col], once the writer has read step it - 1's.
+        if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = dq_row0 + 16 * wi + g + 8 * h;
+        for (int h = 0; h < 2; ++h) {
+          const int row = dq_row0 + 16 * wi + g + 8 * h;
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-          sts_f32x2(sdQ + (row * Cfg::kDQStride + dq_col0 + 8 * i + 2 * tig) * 4,
-                         acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
+          for (int i = 0; i < 8; ++i)
+            sts_f32x2(sdQ + (row * Cfg::kDQStride + dq_col0 + 8 * i + 2 * tig) * 4,
+                      acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
+        }
+        fence_proxy_async();  // the writer's bulk copies read sdQ through the async proxy
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_dq_full);
+      } else {
+        // dq_accum[b, m0 + row, n, col] += dQ (rows (b, t, n) of bwd_width(H) = H floats).
+        float* gdq = p.dq_accum + ((b * p.t + m0 + dq_row0) * p.n + n) * kHeadDim + dq_col0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * wi + g + 8 * h;
+          if (m0 + dq_row0 + row < t_len) {
+            float* dst = gdq + static_cast<int64_t>(row) * p.n * kHeadDim + 2 * tig;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+              bwd::atomic_add2(dst + 8 * i, acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
+          }
+        }
       }
-      fence_proxy_async();  // the writer's bulk copies read sdQ through the async proxy
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_dq_full);
     }
 
     // dK = scale * acc_dk, dV = acc_dv in the input dtype; keys past S are not stored.
