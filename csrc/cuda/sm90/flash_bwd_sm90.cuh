@@ -21,6 +21,9 @@
 //     measured 373 -> 258 TFLOP/s there, 402 -> 422 at H = 128; benchmarks/NOTES.md).
 //   H = 128 runs kBlockM = 64 (the warpgroups split dQ's columns), H = 64 kBlockM = 128 (they
 //   split its rows): every wgmma has N >= 64 and the dQ split falls on whole swizzle atoms.
+// Variants: a second instantiation, kRules, runs the key-range rules (lengths, window, causal
+// alignment; rules.cuh): a CTA visits only the query tiles that may see its keys, and warps
+// test elements only where their 16 keys are not seen whole by the step's queries.
 // Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is
 // cols / 64 column blocks of (rows, 64), each row 128 bytes with chunk c at c ^ (row % 8).
 #pragma once
@@ -37,6 +40,7 @@
 #include "../flash_bwd.cuh"
 #include "../mma.cuh"
 #include "hopper.cuh"
+#include "rules.cuh"
 #include "wgmma_gen.h"
 
 namespace jaxflash::cuda {
@@ -78,13 +82,14 @@ struct BwdCfgSm90 {
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
 };
 
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kCausal, bool kRules>
 __global__ void __launch_bounds__(384, 1)
     flash_bwd_sm90_kernel(const BwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
                           const __grid_constant__ CUtensorMap tma_v,
                           const __grid_constant__ CUtensorMap tma_do, int key_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
   using Cfg = BwdCfgSm90<T, kHeadDim>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr uint32_t kRowBytes = Cfg::kRowBytes;
@@ -116,10 +121,21 @@ __global__ void __launch_bounds__(384, 1)
   const int64_t bkh = blockIdx.x / key_tiles;
   const int64_t kvh = bkh % p.kh, b = bkh / p.kh;
   const int group = static_cast<int>(p.n / p.kh);
-  const int m_tiles = (t_len + kBlockM - 1) / kBlockM;
-  // Causal: query tile m sees this key tile iff its last query m0 + kBlockM - 1 >= n0.
-  const int m_first = kCausal ? min(n0 / kBlockM, m_tiles) : 0;
-  const int steps_per_head = m_tiles - m_first;
+  int m_first = 0, m_end = (t_len + kBlockM - 1) / kBlockM;
+  Rules rules;
+  if constexpr (kRules) {
+    // The query tiles that meet the queries which may see a key of this tile (none: dK = dV
+    // = 0 from empty accumulators); rows past q_len get P = 0 through their lse below.
+    rules = Rules(p, b);
+    const int2 qs = rules.query_range(n0, kBlockN);
+    m_first = qs.x / kBlockM;
+    m_end = qs.y > qs.x ? (qs.y - 1) / kBlockM + 1 : m_first;
+  } else if (kCausal) {
+    // Query tile m sees this key tile iff its last query m0 + kBlockM - 1 >= n0.
+    m_first = min(n0 / kBlockM, m_end);
+  }
+  const int q_end = kRules ? rules.q_len : t_len;  // rows past it see no key
+  const int steps_per_head = m_end - m_first;
   const int n_steps = group * steps_per_head;
   // Step it: query head kvh * group + it / steps_per_head, query tile m_first + it % steps.
   auto step_head = [&](int it) { return kvh * group + it / steps_per_head; };
@@ -159,11 +175,13 @@ __global__ void __launch_bounds__(384, 1)
         const int m0 = step_m0(it);
         // Stage s last held step it - kStages: wait until both consumers released it.
         if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
-        // Rows past T: lse = +inf gives P = 0 there (their Q, dO are TMA's zeros).
+        // Rows past T (their Q, dO are TMA's zeros), past q_len or with no visible key
+        // (lse -inf): lse = +inf gives P = 0 there.
         const int64_t row0 = (b * p.n + n) * p.t;
         for (int r = lane; r < kBlockM; r += 32) {
-          const bool valid = m0 + r < t_len;
-          sLse[s * kBlockM + r] = valid ? p.lse[row0 + m0 + r] * kLog2e : INFINITY;
+          const bool valid = m0 + r < q_end;
+          const float lse = valid ? p.lse[row0 + m0 + r] : -INFINITY;
+          sLse[s * kBlockM + r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
           sDelta[s * kBlockM + r] = valid ? p.delta[row0 + m0 + r] : 0.f;
         }
         const uint32_t full = bar_full + 8 * s;
@@ -243,12 +261,22 @@ __global__ void __launch_bounds__(384, 1)
       issue_rows_by_tile(acc_dp, v_rows, sdO_s);
 
       // P^T = 2^(S^T scale_log2 - lse_log2[q]), 0 at keys >= S and, under causal, at keys
-      // past the query; only warps whose 16 keys reach past S or past the step's first query
-      // test elements.
+      // past the query (kRules: keys >= kv_len or outside the band -wl <= key - q - shift
+      // <= hi); only warps whose 16 keys are not all visible to all the step's queries test
+      // elements.
       const float* lse = sLse + s * kBlockM;
       const float* delta = sDelta + s * kBlockM;
-      const int warp_last_key = n0 + 64 * cw + 16 * wi + 15;
-      const bool edge = warp_last_key >= s_len || (kCausal && warp_last_key > m0);
+      const int warp_key0 = n0 + 64 * cw + 16 * wi, warp_last_key = warp_key0 + 15;
+      bool edge;
+      int lo_d = 0, hi_d = 0;  // kRules: key - q in tile offsets (key - warp_key0, q - m0)
+      if constexpr (kRules) {
+        const int64_t base = int64_t{warp_key0} - m0 - rules.shift;
+        lo_d = clamp_diag(-rules.wl - base);
+        hi_d = clamp_diag(rules.hi - base);
+        edge = warp_last_key >= rules.kv_len || -(kBlockM - 1) < lo_d || 15 > hi_d;
+      } else {
+        edge = warp_last_key >= s_len || (kCausal && warp_last_key > m0);
+      }
       wgmma_wait<1>();
       fence_regs(acc_s);
 #pragma unroll
@@ -259,7 +287,12 @@ __global__ void __launch_bounds__(384, 1)
           float x = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -(c % 2 ? l.y : l.x)));
           if (edge) {
             const int key = key_row + 8 * (c / 2), q = m0 + 8 * i + 2 * tig + c % 2;
-            if (key >= s_len || (kCausal && key > q)) x = 0.f;
+            if constexpr (kRules) {
+              const int d = (key - warp_key0) - (q - m0);
+              if (key >= rules.kv_len || d < lo_d || d > hi_d) x = 0.f;
+            } else {
+              if (key >= s_len || (kCausal && key > q)) x = 0.f;
+            }
           }
           acc_s[4 * i + c] = x;
         }
@@ -394,8 +427,9 @@ __global__ void __launch_bounds__(384, 1)
 
 // The sm90 backward on `stream`: preprocess, the main kernel above, convert; false (nothing
 // launched) when the TMA descriptors cannot be built. Preconditions (select.h use_bwd_sm90):
-// a cc 9.x device, plain attention (no variant, not deterministic), H == Hv == kHeadDim,
-// T, S > 0.
+// a cc 9.x device, no variant but the key-range rules (rules.cuh), not deterministic,
+// H == Hv == kHeadDim, T, S > 0. The rules kernel covers causal too, so each file compiles
+// it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::BwdCfgSm90<T, kHeadDim>;
@@ -412,7 +446,8 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   bwd::launch_preprocess<T, kHeadDim, kHeadDim>(p, stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
-  auto kernel = sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal>;
+  auto kernel = live_variant(p) ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, false, true>
+                                : sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false>;
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) == cudaSuccess)

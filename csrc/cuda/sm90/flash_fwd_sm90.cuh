@@ -16,7 +16,7 @@
 // keys: lengths, window, causal alignment (Rules) and segment ids (SegShared). It visits only
 // the key tiles that some query of the CTA may see and tests elements only on tiles that a
 // warp's 16 rows do not see whole; the other variants (bias, mask, ALiBi, soft cap, dropout)
-// run on the sm80 variant kernel (select.h), as does every backward.
+// run on the sm80 variant kernel (select.h).
 //
 // Shared tiles are TMA's 128-byte swizzle: a (rows, H) tile is H / 64 column blocks of
 // (rows, 64) elements, each row 128 bytes with its 16-byte chunk c stored at c ^ (row % 8).
@@ -39,6 +39,7 @@
 #include "../launch.h"
 #include "../mma.cuh"
 #include "hopper.cuh"
+#include "rules.cuh"
 #include "wgmma_gen.h"
 
 namespace jaxflash::cuda {
@@ -50,35 +51,6 @@ namespace sm90 {
 template <int kHeadDim, bool kMasked>
 struct FwdTileSm90 {
   static constexpr int kBlockN = kMasked ? 128 : (kHeadDim == 128 ? 176 : 192);
-};
-
-// The causal, window, length and alignment rules of p (jaxflash/reference.py) for batch b:
-// query t sees key s iff t < q_len, s < kv_len and -wl <= s - t - shift <= hi. Bounds that
-// are off are 2^40 (beyond any key distance, and sums of them stay in int64).
-struct Rules {
-  int q_len, kv_len;
-  int64_t shift, wl, hi;
-
-  __device__ Rules(const FwdParams& p, int64_t b) {
-    constexpr int64_t kOff = int64_t{1} << 40;
-    const int64_t q_raw = p.q_lengths ? p.q_lengths[b] : p.t;
-    const int64_t kv_raw = p.kv_lengths ? p.kv_lengths[b] : p.s;
-    q_len = static_cast<int>(max(int64_t{0}, min(q_raw, p.t)));
-    kv_len = static_cast<int>(max(int64_t{0}, min(kv_raw, p.s)));
-    shift = p.bottom_right ? kv_raw - q_raw : 0;
-    wl = p.window_left >= 0 ? min(p.window_left, kOff) : kOff;
-    hi = p.window_right >= 0 ? min(p.window_right, kOff) : kOff;
-    if (p.is_causal) hi = min(hi, int64_t{0});
-  }
-
-  // Keys [lo, hi) that some query row in [m0, m0 + rows) may see; empty as lo == hi.
-  __device__ int2 key_range(int m0, int rows) const {
-    const int64_t last = int64_t{min(m0 + rows, q_len)} - 1;
-    if (last < m0) return make_int2(0, 0);
-    const int64_t lo = max(int64_t{0}, min(m0 + shift - wl, int64_t{kv_len}));
-    const int64_t end = min(int64_t{kv_len}, last + shift + hi + 1);
-    return make_int2(static_cast<int>(lo), static_cast<int>(max(end, lo)));
-  }
 };
 
 // Segment ids (query t sees key s only if q_seg[b, t] == kv_seg[b, s]) in the rules kernel.
