@@ -2,7 +2,8 @@
 
 Shapes follow ANCHORS.md: bf16, B = tokens / S, N = hidden / D, D in {64, 128},
 S in {1k, 4k, 16k}, causal and not; TFLOP/s with fwd = 4*B*N*S^2*D (halved when causal)
-and bwd = 2.5 x fwd. Medians of warm runs.
+and bwd = 2.5 x fwd. Medians of warm runs. Peers: cuDNN (jax.nn), flash-attn3-jax when
+installed, Mosaic GPU (JAX's Pallas Hopper attention: fp16, forward only, as ANCHORS.md) and XLA.
 
   python benchmarks/bench.py --out /tmp/bench --commit $(git rev-parse --short HEAD)
   python benchmarks/bench.py --plot-only /tmp/bench/results.json   # re-plot elsewhere
@@ -21,7 +22,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxflash.bench import flops, peers, progress, time_attention
+from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, flops, peers, progress,
+                            time_attention)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 XLA_MAX_S = 4096  # XLA materialises (B, N, S, S) logits; 16k does not fit
@@ -58,14 +60,22 @@ def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]
     if name == "xla" and S > XLA_MAX_S:
       row["error"] = "skipped: O(S^2) memory"
     else:
-      try:
-        t_fwd, t_bwd = time_attention(impls[name], B, S, S, N, N, D, causal, jnp.bfloat16,
-                                      backward=backward)
-        row["fwd"] = flops(B, N, S, S, D, causal, "fwd") / t_fwd / 1e12
-        row["bwd"] = flops(B, N, S, S, D, causal, "bwd") / t_bwd / 1e12 if t_bwd else None
-        row["fwd_ms"], row["bwd_ms"] = t_fwd * 1e3, (t_bwd or 0) * 1e3
-      except Exception as e:  # a peer that cannot run a shape shows as '-'
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+      # a tuned peer (a dict of configs) reports its fastest forward
+      configs = impls[name] if isinstance(impls[name], dict) else {None: impls[name]}
+      for config, attn in configs.items():
+        try:
+          t_fwd, t_bwd = time_attention(attn, B, S, S, N, N, D, causal,
+                                        INPUT_DTYPE.get(name, jnp.bfloat16),
+                                        backward=backward and name not in FORWARD_ONLY)
+        except Exception as e:  # a peer that cannot run a shape shows as '-'
+          row.setdefault("error", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+          continue
+        if row["fwd"] is None or t_fwd < row["fwd_ms"] / 1e3:
+          row["fwd"] = flops(B, N, S, S, D, causal, "fwd") / t_fwd / 1e12
+          row["bwd"] = flops(B, N, S, S, D, causal, "bwd") / t_bwd / 1e12 if t_bwd else None
+          row["fwd_ms"], row["bwd_ms"] = t_fwd * 1e3, (t_bwd or 0) * 1e3
+          row["config"] = config
+          row.pop("error", None)
     rows.append(row)
   return rows
 
@@ -128,10 +138,13 @@ def plot(rows, path) -> bool:
 
 
 def append_results(rows, env, path, note):
+  mosaic = (" (mosaic: fp16, forward only, the fastest block_kv of "
+            f"{'/'.join(map(str, MOSAIC_BLOCK_KV))})" if any(r["impl"] == "mosaic" for r in rows)
+            else "")
   header = (f"\n## {env['date']} {env['device']} (commit {env['commit']})\n\n"
             f"jax {env['jax']}, driver {env.get('driver')}, {env.get('cuda')}"
             f"{', flash-attn3-jax ' + env['fa3j'] if 'fa3j' in env else ''}. "
-            f"bf16, {env['tokens']} tokens per batch, hidden {env['hidden']}; TFLOP/s fwd/bwd "
+            f"bf16{mosaic}, {env['tokens']} tokens per batch, hidden {env['hidden']}; TFLOP/s fwd/bwd "
             "(medians).\n")
   if note:
     header += f"\n{note}\n"
@@ -146,7 +159,7 @@ def main(argv=None):
   p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
   p.add_argument("--tokens", type=int, default=16384)
   p.add_argument("--hidden", type=int, default=2048)
-  p.add_argument("--peers", nargs="+", default=["jaxflash", "cudnn", "fa3j", "xla"])
+  p.add_argument("--peers", nargs="+", default=["jaxflash", "cudnn", "fa3j", "mosaic", "xla"])
   p.add_argument("--no-bwd", action="store_true")
   p.add_argument("--out", default=".", help="folder for results.json and bench.png")
   p.add_argument("--commit", default="unknown")

@@ -36,8 +36,24 @@ def median_seconds(fn, *args, warmup=3, reps=10, inner=None):
   return statistics.median(times)
 
 
+# Peers measured the way ANCHORS.md measures them: Mosaic GPU (JAX's Pallas Hopper attention)
+# in fp16, forward only, the fastest of its key-block sizes per shape.
+INPUT_DTYPE = {"mosaic": jnp.float16}
+FORWARD_ONLY = {"mosaic"}
+MOSAIC_BLOCK_KV = (256, 128, 64)
+
+
+def _mosaic(block_kv):
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+  def attn(q, k, v, c):
+    config = mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=c)
+    return mgpu.attention(q, k, v, config)
+  return attn
+
+
 def peers(platform):
-  """name -> attention(q, k, v, is_causal) for every implementation that loads here."""
+  """name -> attention(q, k, v, is_causal) for every implementation that loads here; a
+  tuned peer maps to {config: attention}, of which a benchmark reports the fastest."""
   impls = {"jaxflash": lambda q, k, v, c: jaxflash.attention(q, k, v, is_causal=c)}
   if platform == "gpu":
     impls["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(
@@ -45,6 +61,11 @@ def peers(platform):
     try:
       from flash_attn3_jax import flash_mha
       impls["fa3j"] = lambda q, k, v, c: flash_mha(q, k, v, is_causal=c)
+    except ImportError:
+      pass
+    try:
+      from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: F401 (loads here?)
+      impls["mosaic"] = {f"block_kv={n}": _mosaic(n) for n in MOSAIC_BLOCK_KV}
     except ImportError:
       pass
   impls["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(
