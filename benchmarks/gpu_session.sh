@@ -3,7 +3,7 @@
 # (tests, gpu-suite, gpu-suite-sm80, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg,
 # sanitize-hdims, ...), each logged under $OUT.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
-# jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so.
+# jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so (or .gl/ext.so.xz, the same xz-packed).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jaxflash-out}
@@ -15,6 +15,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site
+# A prebuilt extension may also travel xz-compressed (the carry limit is 64 MiB).
+if [ -f .gl/ext.so.xz ] && ! ls jaxflash/_jaxflash_ext*.so >/dev/null 2>&1; then
+  xz -dc .gl/ext.so.xz > jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so
+fi
 if ! ls jaxflash/_jaxflash_ext*.so >/dev/null 2>&1; then
   CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLASH_CUDA_ARCHS=90a \
     pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
