@@ -1,5 +1,6 @@
 # CUDA part of the extension: the FFI handlers plus one kernel instantiation per file
-# (they compile in parallel, and JAXFLASH_HEAD_DIMS skips the ones not wanted).
+# (they compile in parallel, and JAXFLASH_HEAD_DIMS and JAXFLASH_DTYPES skip the ones not
+# wanted).
 find_package(CUDAToolkit REQUIRED)
 set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_ARCHITECTURES ${JAXFLASH_CUDA_ARCHS})
@@ -10,17 +11,37 @@ set(CMAKE_CUDA_ARCHITECTURES ${JAXFLASH_CUDA_ARCHS})
 # its backward (bwd_hdim<d>_*, bwd_hdim<d>x<Hv>_*) where there is one; csrc/cuda/dispatch.h
 # gets both lists.
 set(_cuda_sources csrc/ffi_cuda.cu csrc/cuda/mask_tiles.cu)
+set(_with_fp16 0)
+set(_with_bf16 0)
+foreach(dt ${JAXFLASH_DTYPES})
+  if(NOT dt MATCHES "^(fp16|bf16)$")
+    message(FATAL_ERROR "jaxflash: JAXFLASH_DTYPES takes fp16 and/or bf16, got ${dt}")
+  endif()
+  set(_with_${dt} 1)
+endforeach()
+if(NOT JAXFLASH_DTYPES)
+  message(FATAL_ERROR "jaxflash: JAXFLASH_DTYPES is empty (fp16 and/or bf16)")
+endif()
 set(_inst_dir "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/instantiations")
 set(JAXFLASH_BWD_HEAD_DIMS "")
 set(_fwd_hdims "")
 set(_bwd_hdims "")
 foreach(hdim ${JAXFLASH_HEAD_DIMS})
-  file(GLOB _fwd "${_inst_dir}/fwd_hdim${hdim}_*.cu" "${_inst_dir}/fwd_hdim${hdim}x*.cu")
+  set(_fwd "")
+  set(_sm90 "")
+  set(_bwd "")
+  foreach(dt ${JAXFLASH_DTYPES})  # instantiations/<kind>_hdim<d>[x<Hv>]_<dtype>.cu
+    file(GLOB _f "${_inst_dir}/fwd_hdim${hdim}_${dt}.cu" "${_inst_dir}/fwd_hdim${hdim}x*_${dt}.cu")
+    file(GLOB _s "${_inst_dir}/fwd_sm90_hdim${hdim}_${dt}.cu"
+                 "${_inst_dir}/bwd_sm90_hdim${hdim}_${dt}.cu")
+    file(GLOB _b "${_inst_dir}/bwd_hdim${hdim}_${dt}.cu" "${_inst_dir}/bwd_hdim${hdim}x*_${dt}.cu")
+    list(APPEND _fwd ${_f})
+    list(APPEND _sm90 ${_s})
+    list(APPEND _bwd ${_b})
+  endforeach()
   if(NOT _fwd)
     message(FATAL_ERROR "jaxflash: no CUDA kernels for head dim ${hdim}")
   endif()
-  file(GLOB _sm90 "${_inst_dir}/fwd_sm90_hdim${hdim}_*.cu" "${_inst_dir}/bwd_sm90_hdim${hdim}_*.cu")
-  file(GLOB _bwd "${_inst_dir}/bwd_hdim${hdim}_*.cu" "${_inst_dir}/bwd_hdim${hdim}x*.cu")
   list(APPEND _cuda_sources ${_fwd} ${_sm90} ${_bwd})
   string(APPEND _fwd_hdims ",${hdim}")
   if(_bwd)
@@ -34,7 +55,7 @@ target_sources(_jaxflash_ext PRIVATE ${_cuda_sources})
 # separate definitions even when escaped (and nvcc splits -D values at ","), so module.cc and
 # csrc/cuda/dispatch.h get them from a generated header.
 file(CONFIGURE OUTPUT "${CMAKE_CURRENT_BINARY_DIR}/jaxflash_build_info.h" CONTENT
-  "#define JAXFLASH_CUDA_ARCHS \"@JAXFLASH_CUDA_ARCHS@\"\n#define JAXFLASH_HEAD_DIMS \"@JAXFLASH_HEAD_DIMS@\"\n#define JAXFLASH_BWD_HEAD_DIMS \"@JAXFLASH_BWD_HEAD_DIMS@\"\n#define JAXFLASH_FWD_HDIMS @_fwd_hdims@\n#define JAXFLASH_BWD_HDIMS @_bwd_hdims@\n")
+  "#define JAXFLASH_CUDA_ARCHS \"@JAXFLASH_CUDA_ARCHS@\"\n#define JAXFLASH_HEAD_DIMS \"@JAXFLASH_HEAD_DIMS@\"\n#define JAXFLASH_BWD_HEAD_DIMS \"@JAXFLASH_BWD_HEAD_DIMS@\"\n#define JAXFLASH_FWD_HDIMS @_fwd_hdims@\n#define JAXFLASH_BWD_HDIMS @_bwd_hdims@\n#define JAXFLASH_DTYPES \"@JAXFLASH_DTYPES@\"\n#define JAXFLASH_WITH_FP16 @_with_fp16@\n#define JAXFLASH_WITH_BF16 @_with_bf16@\n")
 target_include_directories(_jaxflash_ext PRIVATE "${CMAKE_CURRENT_BINARY_DIR}")
 set_source_files_properties(csrc/module.cc PROPERTIES
   COMPILE_OPTIONS "-include;${CMAKE_CURRENT_BINARY_DIR}/jaxflash_build_info.h")

@@ -44,11 +44,13 @@ NB_MODULE(_jaxflash_ext, m) {
     info["cuda_archs"] = std::string(JAXFLASH_CUDA_ARCHS);
     info["cuda_head_dims"] = std::string(JAXFLASH_HEAD_DIMS);
     info["cuda_bwd_head_dims"] = std::string(JAXFLASH_BWD_HEAD_DIMS);
+    info["cuda_dtypes"] = std::string(JAXFLASH_DTYPES);
 #else
     info["cuda"] = false;
     info["cuda_archs"] = std::string();
     info["cuda_head_dims"] = std::string();
     info["cuda_bwd_head_dims"] = std::string();
+    info["cuda_dtypes"] = std::string();
 #endif
     return info;
   });

@@ -29,7 +29,7 @@ def environment() -> str:
     info = _ffi.BUILD_INFO
     lines.append(f"CUDA kernels: built for archs {info['cuda_archs']}, head dims "
                  f"{info['cuda_head_dims']} (backward {info.get('cuda_bwd_head_dims', '')}), "
-                 "float16/bfloat16")
+                 f"{'/'.join(_ffi.cuda_dtypes())}")
   else:
     lines.append("CUDA kernels: not built")
   return "\n".join(lines)
@@ -37,8 +37,9 @@ def environment() -> str:
 
 def self_check() -> bool:
   impls = ["cpu"] + (["cuda"] if _ffi.cuda_built() and jax.default_backend() == "gpu" else [])
+  cuda_dtypes = [getattr(jnp, d) for d in _ffi.cuda_dtypes()][-1:]  # bfloat16 when built
   cases = [(impl, dtype, shape) for impl in impls
-           for dtype in ((jnp.float32, jnp.bfloat16) if impl == "cpu" else (jnp.bfloat16,))
+           for dtype in ((jnp.float32, jnp.bfloat16) if impl == "cpu" else cuda_dtypes)
            for shape in CHECK_SHAPES]
   failures = []
   for impl, dtype, (B, T, S, N, K, H, causal) in progress(cases, "self-check"):

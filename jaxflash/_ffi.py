@@ -13,7 +13,8 @@ else:
   _IMPORT_ERROR = ""
 
 BUILD_INFO: dict = _ext.build_info() if _ext is not None else {
-    "cuda": False, "cuda_archs": "", "cuda_head_dims": "", "cuda_bwd_head_dims": ""}
+    "cuda": False, "cuda_archs": "", "cuda_head_dims": "", "cuda_bwd_head_dims": "",
+    "cuda_dtypes": ""}
 
 
 def _register() -> None:
@@ -48,6 +49,13 @@ def cuda_bwd_head_dims() -> tuple[int, ...]:
   """Head dims H the CUDA backward runs with Hv == H (and 192 with Hv == 128, the MLA pair):
   those with bwd_hdim<d> instantiations."""
   return _dims("cuda_bwd_head_dims")
+
+
+def cuda_dtypes() -> tuple[str, ...]:
+  """Input dtypes (numpy names) the CUDA kernels were built for (JAXFLASH_DTYPES)."""
+  names = {"fp16": "float16", "bf16": "bfloat16"}
+  # (an extension built before the option has both)
+  return tuple(names[d] for d in BUILD_INFO.get("cuda_dtypes", "fp16;bf16").split(";") if d)
 
 
 def missing_reason() -> str:

@@ -80,6 +80,9 @@ def _cuda_support(query, value) -> str | None:
   if query.dtype.name not in KERNEL_DTYPES["cuda"]:
     return (f"the CUDA kernels take float16 or bfloat16, got {query.dtype.name} (cast the "
             "inputs, or use implementation='xla' for float32)")
+  if query.dtype.name not in _ffi.cuda_dtypes():
+    return (f"this build's CUDA kernels take {' and '.join(_ffi.cuda_dtypes())} "
+            f"(JAXFLASH_DTYPES), got {query.dtype.name}")
   H, Hv = query.shape[-1], value.shape[-1]
   dims = _ffi.cuda_head_dims()
   if H not in dims or Hv not in dims or Hv > H:

@@ -23,7 +23,8 @@ DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 
 def _supported(impl, dtype, H):
-  if impl == "cuda" and (dtype == jnp.float32 or H not in jaxflash._ffi.cuda_head_dims()):
+  if impl == "cuda" and (jnp.dtype(dtype).name not in jaxflash._ffi.cuda_dtypes() or
+                         H not in jaxflash._ffi.cuda_head_dims()):
     pytest.skip("outside the CUDA kernel's support matrix (tested in test_errors)")
 
 

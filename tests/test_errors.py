@@ -78,6 +78,7 @@ def fake_cuda_build(monkeypatch):
   monkeypatch.setattr(_ffi, "cuda_built", lambda: True)
   monkeypatch.setattr(_ffi, "cuda_head_dims", lambda: (32, 64, 96, 128, 192, 256))
   monkeypatch.setattr(_ffi, "cuda_bwd_head_dims", lambda: (32, 64, 96, 128, 192, 256))
+  monkeypatch.setattr(_ffi, "cuda_dtypes", lambda: ("float16", "bfloat16"))
 
 
 @pytest.mark.parametrize("H, Hv", [(40, 40), (64, 128), (192, 100), (512, 512)])
@@ -86,6 +87,21 @@ def test_cuda_rejects_head_dims_it_lacks(fake_cuda_build, H, Hv):
   with pytest.raises(ValueError, match=rf"head dims H and Hv in \(32, 64, 96, 128, 192, 256\) "
                                        rf"with Hv <= H, got H={H}, Hv={Hv}"):
     jaxflash.attention(q, k, v, implementation="cuda")
+
+
+def test_cuda_rejects_dtypes_the_build_lacks(fake_cuda_build, monkeypatch):
+  """A build restricted by JAXFLASH_DTYPES: 'cuda' names the dtype before any launch, None
+  takes the reference for it (traced only: no GPU here)."""
+  monkeypatch.setattr(_ffi, "cuda_dtypes", lambda: ("bfloat16",))
+  q, k, v = random_qkv(1, 1, 8, 8, 2, 2, 64, jnp.float16)
+  with pytest.raises(ValueError, match=r"this build's CUDA kernels take bfloat16 "
+                                       r"\(JAXFLASH_DTYPES\), got float16"):
+    jaxflash.attention(q, k, v, implementation="cuda")
+  assert "jaxflash_fwd_cuda" not in str(jax.make_jaxpr(
+      lambda q: jaxflash.attention(q, k, v))(q))
+  bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  assert "jaxflash_fwd_cuda" in str(jax.make_jaxpr(
+      lambda q: jaxflash.attention(q, *bf[1:], implementation="cuda"))(bf[0]))
 
 
 @pytest.mark.parametrize("H, Hv", [(128, 64), (256, 128), (96, 32), (192, 64)])

@@ -27,13 +27,22 @@ constexpr bool contains(std::integer_sequence<int, kDims...>, int64_t h) {
   return ((h == kDims) || ...);
 }
 
+// Only the dtypes compiled in (JAXFLASH_DTYPES: JAXFLASH_WITH_FP16 / _BF16) are reachable.
 template <typename F>
 bool dispatch_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kF16: f(__half{}); return true;
-    case DType::kBF16: f(__nv_bfloat16{}); return true;
-    default: return false;
+  if constexpr (JAXFLASH_WITH_FP16) {
+    if (dtype == DType::kF16) {
+      f(__half{});
+      return true;
+    }
   }
+  if constexpr (JAXFLASH_WITH_BF16) {
+    if (dtype == DType::kBF16) {
+      f(__nv_bfloat16{});
+      return true;
+    }
+  }
+  return false;
 }
 
 // Calls f(Int<d>{}) for the head dim d of `dims` equal to h; false if there is none.
