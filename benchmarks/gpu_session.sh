@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
-# (tests, gpu-suite, gpu-suite-sm80, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg,
+# (gpu-suite, gpu-suite-sm80, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg,
 # sanitize-hdims, ...), each logged under $OUT.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
 # jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so (or .gl/ext.so.xz, the same xz-packed).
@@ -30,7 +30,6 @@ for stage in "$@"; do
     smoke) for D in 64 128; do for c in "" --causal; do
           timeout 60 python3 benchmarks/profile_kernels.py --small --D $D $c --reps 1 || echo "SMOKE FAILED D=$D $c"
         done; done ;;
-    tests) timeout 420 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     # The whole GPU suite in 12 workers (compiling dominates: no GEMM autotuning, memory on
     # demand), the >2^31-element tests alone first; then the plain-attention tests again on the
     # sm80 kernels. Failures print as they happen.

@@ -761,7 +761,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
       uint32_t rP[kMi][4][2];
       if constexpr (kVariants) {
         // Logits by the forward's rules (log2 units, -inf where invisible), P, and P keep to sP;
-        // rP holds P with the sign bit set where dropout drops it, for dZ. The soft cap's
+        // rP holds P's residue, -P where dropout drops it (p_residue), for dZ. The soft cap's
         // derivative waits as fp16 in this thread's own slots of sdS until dS replaces it.
         const FwdVariants<T, M, N>& v = vs[buf];
         const float inv_keep = 1.f / v.keep_scale;  // 1 without dropout
