@@ -14,11 +14,9 @@
 //       dV += P^T dO, dK += dS^T Q                       (64, H), A from registers
 //       dQ = dS K over both warpgroups' 128 keys         (64, 64) per warpgroup, dS^T through
 //                                                        smem, both operands MN-major
-//     and, at H = 128 (kDQWriter), store dQ (fp32) into a shared tile, which warp 1 of
-//     warpgroup 0, the dQ writer, adds into dq_accum with bulk reduce-adds (cp.reduce.async.bulk,
-//     done in the L2): the consumers issue no atomics and go on to the next step's S^T while
-//     the tile drains. At H = 64 they add dQ with fp32 vector atomics themselves (the writer
-//     measured 373 -> 258 TFLOP/s there, 402 -> 422 at H = 128; benchmarks/NOTES.md).
+//     and store dQ (fp32) into a shared tile, which warp 1 of warpgroup 0, the dQ writer,
+//     adds into dq_accum with TMA reduce-adds (one per 32 columns, done in the L2): the
+//     consumers issue no atomics and go on to the next step's S^T while the tile drains.
 //   H = 128 runs kBlockM = 64 (the warpgroups split dQ's columns), H = 64 kBlockM = 128 (they
 //   split its rows): every wgmma has N >= 64 and the dQ split falls on whole swizzle atoms.
 // Variants: a second instantiation, kRules, runs the key-range rules (lengths, window, causal
@@ -56,14 +54,11 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // K or V
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);   // one Q or dO stage
   static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T buffer
-  static constexpr bool kDQWriter = kHeadDim == 128;
-  // The writer's loop needs 40 registers in the producer warpgroup (24 spilled).
-  static constexpr int kProducerRegs = kDQWriter ? 40 : 24;
-  static constexpr int kConsumerRegs = kDQWriter ? 232 : 240;
-  // dQ's fp32 rows are padded by 8 floats: a warp's float2 stores (8 rows x 32 bytes) then
-  // fall on 2 wavefronts, and every row stays 16-byte aligned for the bulk copies.
-  static constexpr int kDQStride = kHeadDim + 8;
-  static constexpr uint32_t kDQBytes = kDQWriter ? kBlockM * kDQStride * 4 : 0;
+  // The dQ writer's loop needs 40 registers in the producer warpgroup (24 spilled).
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  // dQ's fp32 tile: H / 32 column blocks of (kBlockM, 32), dense 128-byte rows (unswizzled: a
+  // warp's float2 stores take 8 wavefronts, not 2, but the swizzle's addresses spilled).
+  static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4;
   // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kStages], sdS[2],
   // lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the mbarriers kv,
   // full[kStages], empty[kStages], dq_full, dq_empty.
@@ -74,7 +69,7 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kOffDS = kOffDO + kStages * kQBytes;
   static constexpr uint32_t kOffLse = kOffDS + 2 * kDSBytes;
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
-  static constexpr uint32_t kOffDQ = kOffDelta + kStages * kBlockM * 4;
+  static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
   static constexpr int kSmemBytes = kOffBar + (3 + 2 * kStages) * 8 + 1024;
 
@@ -87,7 +82,8 @@ __global__ void __launch_bounds__(384, 1)
     flash_bwd_sm90_kernel(const BwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
                           const __grid_constant__ CUtensorMap tma_v,
-                          const __grid_constant__ CUtensorMap tma_do, int key_tiles) {
+                          const __grid_constant__ CUtensorMap tma_do,
+                          const __grid_constant__ CUtensorMap tma_dq, int key_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
   using Cfg = BwdCfgSm90<T, kHeadDim>;
@@ -104,7 +100,7 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sQ = base + Cfg::kOffQ;    // (kStages, H / 64, kBlockM, 64)
   const uint32_t sdO = base + Cfg::kOffDO;  // (kStages, H / 64, kBlockM, 64)
   const uint32_t sdS = base + Cfg::kOffDS;  // (2, kBlockM / 64, kBlockN, 64): dS^T
-  const uint32_t sdQ = base + Cfg::kOffDQ;  // (kBlockM, kDQStride) fp32
+  const uint32_t sdQ = base + Cfg::kOffDQ;  // (H / 32, kBlockM, 32) fp32
   float* sLse = reinterpret_cast<float*>(smem + Cfg::kOffLse);      // (kStages, kBlockM)
   float* sDelta = reinterpret_cast<float*>(smem + Cfg::kOffDelta);  // (kStages, kBlockM)
   const uint32_t bar_kv = base + Cfg::kOffBar;
@@ -198,24 +194,23 @@ __global__ void __launch_bounds__(384, 1)
           mbar_arrive(full);
         }
       }
-    } else if (Cfg::kDQWriter && warp == 1) {
-      // dq_accum[b, m0 + r, n, :] += sdQ[r, :H] per row r < T - m0, the lanes taking rows in
-      // turn; sdQ is released once read, the adds complete in the L2 on their own.
-      constexpr uint32_t kRowBytes32 = Cfg::kDQStride * 4;
-      for (int it = 0; it < n_steps; ++it) {
-        const int64_t n = step_head(it);
-        const int m0 = step_m0(it);
-        mbar_wait(bar_dq_full, it & 1);
-        float* gdq = p.dq_accum + ((b * p.t + m0) * p.n + n) * kHeadDim;
-        for (int r = lane; r < kBlockM && m0 + r < t_len; r += 32)
-          bulk_reduce_add_f32(gdq + static_cast<int64_t>(r) * p.n * kHeadDim,
-                              sdQ + r * kRowBytes32, kHeadDim * 4);
-        bulk_commit();
-        bulk_wait_all<true>();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_dq_empty);
+    } else if (warp == 1) {
+      // dq_accum[b, m0 .., n, :] += sdQ by TMA (rows past T skipped); sdQ is released once
+      // read, the adds complete in the L2 on their own.
+      if (lane == 0) {
+        tma_prefetch_desc(&tma_dq);
+        for (int it = 0; it < n_steps; ++it) {
+          mbar_wait(bar_dq_full, it & 1);
+#pragma unroll
+          for (int cb = 0; cb < kHeadDim / 32; ++cb)
+            tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, cb * 32,
+                              static_cast<int>(step_head(it)), step_m0(it), static_cast<int>(b));
+          bulk_commit();
+          bulk_wait_all<true>();
+          mbar_arrive(bar_dq_empty);
+        }
+        bulk_wait_all<false>();
       }
-      bulk_wait_all<false>();
     }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
@@ -370,34 +365,21 @@ __global__ void __launch_bounds__(384, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * s);
 
-      if constexpr (Cfg::kDQWriter) {
-        // dQ into sdQ[dq_row0 + row, dq_col0 + col], once the writer has read step it - 1's.
-        if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
+      // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
+      // writer has read step it - 1's; element 4 i + 2 h of acc_dq sits 8 h rows and 8 i
+      // columns past this thread's first (row dq_row0 + 16 wi + g, column dq_col0 + 2 tig).
+      if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
+      const uint32_t sdq_thread = sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
+                                  (dq_row0 + 16 * wi + g) * kRowBytes + 2 * tig * 4;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = dq_row0 + 16 * wi + g + 8 * h;
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int i = 0; i < 8; ++i)
-            sts_f32x2(sdQ + (row * Cfg::kDQStride + dq_col0 + 8 * i + 2 * tig) * 4,
-                      acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
-        }
-        fence_proxy_async();  // the writer's bulk copies read sdQ through the async proxy
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_dq_full);
-      } else {
-        // dq_accum[b, m0 + row, n, col] += dQ (rows (b, t, n) of bwd_width(H) = H floats).
-        float* gdq = p.dq_accum + ((b * p.t + m0 + dq_row0) * p.n + n) * kHeadDim + dq_col0;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = 16 * wi + g + 8 * h;
-          if (m0 + dq_row0 + row < t_len) {
-            float* dst = gdq + static_cast<int64_t>(row) * p.n * kHeadDim + 2 * tig;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-              bwd::atomic_add2(dst + 8 * i, acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
-          }
-        }
-      }
+        for (int i = 0; i < 8; ++i)
+          sts_f32x2(sdq_thread + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes + (i % 4) * 32,
+                    acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
+      fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_dq_full);
     }
 
     // dK = scale * acc_dk, dV = acc_dv in the input dtype; keys past S are not stored.
@@ -433,7 +415,7 @@ __global__ void __launch_bounds__(384, 1)
 template <typename T, int kHeadDim, bool kCausal>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::BwdCfgSm90<T, kHeadDim>;
-  CUtensorMap tma_q, tma_k, tma_v, tma_do;
+  CUtensorMap tma_q, tma_k, tma_v, tma_do, tma_dq;
   if (!sm90::encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
                             p.q_batch_stride, Cfg::kBlockM) ||
       !sm90::encode_btnh<T>(&tma_do, p.dout, p.hv, p.n, p.t, p.b, p.do_head_stride,
@@ -441,7 +423,10 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
       !sm90::encode_btnh<T>(&tma_k, p.k, p.h, p.kh, p.s, p.b, p.k_head_stride, p.k_row_stride,
                             p.k_batch_stride, Cfg::kBlockN) ||
       !sm90::encode_btnh<T>(&tma_v, p.v, p.hv, p.kh, p.s, p.b, p.v_head_stride, p.v_row_stride,
-                            p.v_batch_stride, Cfg::kBlockN))
+                            p.v_batch_stride, Cfg::kBlockN) ||
+      // dq_accum: (B, T, N, H) fp32, dense
+      !sm90::encode_btnh<float>(&tma_dq, p.dq_accum, p.h, p.n, p.t, p.b, p.h, p.n * p.h,
+                                p.t * p.n * p.h, Cfg::kBlockM, /*swizzle=*/false))
     return false;
   bwd::launch_preprocess<T, kHeadDim, kHeadDim>(p, stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
@@ -452,7 +437,7 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) == cudaSuccess)
     kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        p, tma_q, tma_k, tma_v, tma_do, static_cast<int>(key_tiles));
+        p, tma_q, tma_k, tma_v, tma_do, tma_dq, static_cast<int>(key_tiles));
   bwd::launch_convert_dq<T, kHeadDim>(p, stream);
   return true;
 }

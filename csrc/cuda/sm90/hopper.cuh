@@ -71,12 +71,15 @@ __device__ __forceinline__ void sts_f32x2(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
 }
 
-// Adds `bytes` (a multiple of 16) of fp32 at shared src into global dst (16-byte aligned)
-// element-wise, in the L2; tracked by this thread's bulk async-groups.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+// Adds the shared tile at src element-wise into the box at coordinates (c0 innermost .. c3)
+// of a rank-4 tensor map, in the L2 (elements out of bounds are skipped); tracked by this
+// thread's bulk async-groups.
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32_t src, int c0,
+                                                  int c1, int c2, int c3) {
   asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
-      "r"(src), "r"(bytes)
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
 
@@ -180,12 +183,13 @@ inline EncodeTiledFn encode_tiled() {
 }
 
 // The (H, heads, L, B) view of a BTNH (or BSKH) tensor, innermost first, and a box of
-// (64, 1, box_rows, 1): box_rows rows of one (batch, head), 128 bytes of each, swizzled.
-// Rows past L read as zeros and never cross into the next batch.
+// (128 / sizeof(T), 1, box_rows, 1): box_rows rows of one (batch, head), 128 bytes of each,
+// swizzled unless !swizzle. Rows past L read as zeros (a reduce skips them) and never cross
+// into the next batch.
 template <typename T>
 bool encode_btnh(CUtensorMap* map, const void* ptr, int64_t h, int64_t heads, int64_t len,
                  int64_t batch, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
-                 int box_rows) {
+                 int box_rows, bool swizzle = true) {
   const EncodeTiledFn fn = encode_tiled();
   if (fn == nullptr) return false;
   constexpr int64_t kBytes = sizeof(T);
@@ -194,13 +198,14 @@ bool encode_btnh(CUtensorMap* map, const void* ptr, int64_t h, int64_t heads, in
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_stride * kBytes),
                                  static_cast<cuuint64_t>(row_stride * kBytes),
                                  static_cast<cuuint64_t>(batch_stride * kBytes)};
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t box[4] = {128 / sizeof(T), 1, static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType dtype = std::is_same_v<T, __nv_bfloat16>
-                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapDataType dtype = std::is_same_v<T, float>           ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                    : std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   return fn(map, dtype, 4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
