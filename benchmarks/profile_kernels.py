@@ -5,6 +5,7 @@ only at head dims the CUDA backward lacks).
       --set full -o prof python benchmarks/profile_kernels.py --D 128 --S 4096
   compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --small
   compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --segments
+  compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --rules
 """
 
 import argparse
@@ -24,14 +25,21 @@ p.add_argument("--small", action="store_true", help="a tiny ragged GQA problem (
 p.add_argument("--segments", action="store_true",
                help="a ragged GQA problem over several key tiles with segment ids of 3 packed "
                     "documents, one query document absent from the keys (sanitizers)")
+p.add_argument("--rules", action="store_true",
+               help="the segments problem's shape with a window and ragged lengths instead of "
+                    "ids: the key-range rules kernels (sanitizers)")
 p.add_argument("--reps", type=int, default=2)
 a = p.parse_args()
-B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small else (2, 300, 700, 4, 2, a.D) if a.segments
+B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small
+                    else (2, 300, 700, 4, 2, a.D) if a.segments or a.rules
                     else (16384 // a.S, a.S, a.S, 2048 // a.D, 2048 // a.D, a.D))
 ids = {}
 if a.segments:
   docs = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * 3 // n, (B, n))
   ids = dict(query_segment_ids=docs(T), key_value_segment_ids=jnp.where(docs(S) == 1, 7, docs(S)))
+if a.rules:
+  ids = dict(local_window_size=(200, 40), query_seq_lengths=jnp.array([300, 170], jnp.int32),
+             key_value_seq_lengths=jnp.array([650, 700], jnp.int32))
 keys = jax.random.split(jax.random.PRNGKey(0), 4)
 q = jax.random.normal(keys[0], (B, T, N, D), jnp.bfloat16)
 k = jax.random.normal(keys[1], (B, S, K, D), jnp.bfloat16)

@@ -20,8 +20,9 @@
 //   H = 128 runs kBlockM = 64 (the warpgroups split dQ's columns), H = 64 kBlockM = 128 (they
 //   split its rows): every wgmma has N >= 64 and the dQ split falls on whole swizzle atoms.
 // Variants: a second instantiation, kRules, runs the key-range rules (lengths, window, causal
-// alignment; rules.cuh): a CTA visits only the query tiles that may see its keys, and warps
-// test elements only where their 16 keys are not seen whole by the step's queries.
+// alignment; rules.cuh) and segment ids (BwdSegShared): a CTA visits only the query tiles that
+// may see its keys, and warps test elements only where their 16 keys are not seen whole by
+// the step's queries.
 // Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is
 // cols / 64 column blocks of (rows, 64), each row 128 bytes with chunk c at c ^ (row % 8).
 #pragma once
@@ -31,6 +32,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -43,6 +45,51 @@
 
 namespace jaxflash::cuda {
 namespace sm90 {
+
+// Segment ids in the rules kernel: query tiles whose ids' [min, max] range misses the key
+// tile's are never visited (disjoint ranges share no id). Before the warps specialise, all 12
+// warps mark the live candidates (query tiles m_first + r) in `live` and count them; every role
+// then walks the same steps (StepWalk). The producer stages each step's query ids and their
+// range with its lse and delta rows; a consumer warp whose 16 keys and the step's queries all
+// carry one id skips the element test.
+template <int kBlockM, int kStages>
+struct BwdSegShared {
+  // Bits kept for 32K candidate tiles; a CTA with more visits those past them all, with the
+  // element test (correct, not skipped).
+  static constexpr int kLiveTiles = 32 * 1024;
+  int q_ids[kStages][kBlockM];  // the stage's query ids (rows past q_len: 0, never compared)
+  int q_lo[kStages], q_hi[kStages];
+  int kv_ids[128];               // the key tile's ids (keys below kv_len; others 0, unread)
+  int kv_lo, kv_hi;             // their range
+  int2 warp_kv[8];              // the range of consumer warp w's 16 keys
+  int num_live;                 // live candidates
+  uint32_t live[kLiveTiles / 32];
+
+  // The lowest live candidate r' >= r; n_cand when none is left.
+  __device__ int next_live(int r, int n_cand) const {
+    while (r < n_cand && r < kLiveTiles) {
+      const uint32_t w = live[r / 32] & (0xffffffffu << (r % 32));
+      if (w != 0) return (r & ~31) + __ffs(static_cast<int>(w)) - 1;
+      r = (r & ~31) + 32;
+    }
+    return min(r, n_cand);
+  }
+};
+
+// The steps of a CTA, walked by each role on its own: for each query head of the kv head's
+// group in turn, the live candidates r (query tile m_first + r) in increasing order; every
+// candidate without segment ids (seg null).
+template <typename Seg>
+struct StepWalk {
+  int r = -1, head = 0;
+  __device__ void next(const Seg* seg, int n_cand) {
+    r = seg ? seg->next_live(r + 1, n_cand) : r + 1;
+    if (r >= n_cand) {
+      ++head;
+      r = seg ? seg->next_live(0, n_cand) : 0;
+    }
+  }
+};
 
 template <typename T, int kHeadDim>
 struct BwdCfgSm90 {
@@ -71,7 +118,10 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
-  static constexpr int kSmemBytes = kOffBar + (3 + 2 * kStages) * 8 + 1024;
+  static constexpr uint32_t kOffInfo = kOffBar + (3 + 2 * kStages) * 8;  // int2 [kStages]
+  static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;
+  using Seg = BwdSegShared<kBlockM, kStages>;
+  static constexpr int kSmemBytes = kOffSeg + sizeof(Seg) + 1024;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 backward head dims");
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
@@ -103,6 +153,7 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sdQ = base + Cfg::kOffDQ;  // (H / 32, kBlockM, 32) fp32
   float* sLse = reinterpret_cast<float*>(smem + Cfg::kOffLse);      // (kStages, kBlockM)
   float* sDelta = reinterpret_cast<float*>(smem + Cfg::kOffDelta);  // (kStages, kBlockM)
+  int2* sInfo = reinterpret_cast<int2*>(smem + Cfg::kOffInfo);  // (kStages): the step's (n, m0)
   const uint32_t bar_kv = base + Cfg::kOffBar;
   const uint32_t bar_full = bar_kv + 8;                 // full[stage] at + 8 * stage
   const uint32_t bar_empty = bar_full + 8 * kStages;    // empty[stage]
@@ -131,11 +182,19 @@ __global__ void __launch_bounds__(384, 1)
     m_first = min(n0 / kBlockM, m_end);
   }
   const int q_end = kRules ? rules.q_len : t_len;  // rows past it see no key
-  const int steps_per_head = m_end - m_first;
-  const int n_steps = group * steps_per_head;
-  // Step it: query head kvh * group + it / steps_per_head, query tile m_first + it % steps.
-  auto step_head = [&](int it) { return kvh * group + it / steps_per_head; };
-  auto step_m0 = [&](int it) { return (m_first + it % steps_per_head) * kBlockM; };
+  const int n_cand = m_end - m_first;  // candidate query tiles per head
+  using Seg = typename Cfg::Seg;
+  Seg* seg = kRules && p.q_segment_ids ? reinterpret_cast<Seg*>(smem + Cfg::kOffSeg) : nullptr;
+  const int32_t* q_ids = p.q_segment_ids + b * p.t;
+  const int32_t* kv_ids = p.kv_segment_ids + b * p.s;
+  // Step it: query head kvh * group + walk.head, query tile m_first + walk.r (StepWalk).
+  auto step_head = [&](const StepWalk<Seg>& w) { return kvh * group + w.head; };
+  auto step_m0 = [&](const StepWalk<Seg>& w) { return (m_first + w.r) * kBlockM; };
+  // The ids' range of rows [m0, m0 + kBlockM) below q_end, warp-wide; (INT_MAX, INT_MIN) when
+  // there are none (a range that meets no other).
+  auto q_tile_ids = [&](int m0) {
+    return bwd::seg_id_range(q_ids, m0, min(m0 + kBlockM, q_end), lane);
+  };
 
   if (tid == 0) {
     mbar_init(bar_kv, 1);
@@ -147,7 +206,30 @@ __global__ void __launch_bounds__(384, 1)
     mbar_init(bar_dq_empty, 1);
     mbar_fence_init();
   }
+  if (seg) {
+    for (int i = tid; i < Seg::kLiveTiles / 32; i += Cfg::kThreads) seg->live[i] = 0;
+    if (tid == 0) seg->num_live = max(0, n_cand - Seg::kLiveTiles);  // past the bits: live
+    if (tid < kBlockN) seg->kv_ids[tid] = n0 + tid < rules.kv_len ? kv_ids[n0 + tid] : 0;
+    if (warp == 0) {
+      const int2 kr = bwd::seg_id_range(kv_ids, n0, min(n0 + kBlockN, rules.kv_len), lane);
+      if (lane == 0) seg->kv_lo = kr.x, seg->kv_hi = kr.y;
+    } else if (warp >= 4) {  // consumer warp w = warp - 4 owns keys 16 w .. 16 w + 15
+      const int w0 = n0 + 16 * (warp - 4);
+      const int2 wr = bwd::seg_id_range(kv_ids, w0, max(w0, min(w0 + 16, rules.kv_len)), lane);
+      if (lane == 0) seg->warp_kv[warp - 4] = wr;
+    }
+  }
   __syncthreads();
+  if (seg) {
+    const int2 kr = make_int2(seg->kv_lo, seg->kv_hi);
+    for (int r = warp; r < min(n_cand, Seg::kLiveTiles); r += Cfg::kThreads / 32)
+      if (bwd::seg_meet(q_tile_ids((m_first + r) * kBlockM), kr) && lane == 0) {
+        atomicOr(&seg->live[r / 32], 1u << (r % 32));
+        atomicAdd(&seg->num_live, 1);
+      }
+    __syncthreads();
+  }
+  const int n_steps = group * (seg ? seg->num_live : n_cand);
 
   if (warp < 4) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -165,10 +247,12 @@ __global__ void __launch_bounds__(384, 1)
           tma_load_4d(sV + cb * kBlockN * kRowBytes, &tma_v, bar_kv, cb * 64, ci_kvh, n0, ci_b);
         }
       }
+      StepWalk<Seg> walk;
       for (int it = 0; it < n_steps; ++it) {
+        walk.next(seg, n_cand);
         const int s = it % kStages;
-        const int64_t n = step_head(it);
-        const int m0 = step_m0(it);
+        const int64_t n = step_head(walk);
+        const int m0 = step_m0(walk);
         // Stage s last held step it - kStages: wait until both consumers released it.
         if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
         // Rows past T (their Q, dO are TMA's zeros), past q_len or with no visible key
@@ -179,9 +263,15 @@ __global__ void __launch_bounds__(384, 1)
           const float lse = valid ? p.lse[row0 + m0 + r] : -INFINITY;
           sLse[s * kBlockM + r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
           sDelta[s * kBlockM + r] = valid ? p.delta[row0 + m0 + r] : 0.f;
+          if (seg) seg->q_ids[s][r] = valid ? q_ids[m0 + r] : 0;
+        }
+        if (seg) {
+          const int2 qr = q_tile_ids(m0);
+          if (lane == 0) seg->q_lo[s] = qr.x, seg->q_hi[s] = qr.y;
         }
         const uint32_t full = bar_full + 8 * s;
         if (lane == 0) {
+          sInfo[s] = make_int2(static_cast<int>(n), m0);
           mbar_arrive_expect_tx(full, 2 * Cfg::kQBytes);
           const uint32_t stage = s * Cfg::kQBytes;
           const int ci_n = static_cast<int>(n);
@@ -199,12 +289,15 @@ __global__ void __launch_bounds__(384, 1)
       // read, the adds complete in the L2 on their own.
       if (lane == 0) {
         tma_prefetch_desc(&tma_dq);
+        StepWalk<Seg> walk;
         for (int it = 0; it < n_steps; ++it) {
+          walk.next(seg, n_cand);
           mbar_wait(bar_dq_full, it & 1);
 #pragma unroll
           for (int cb = 0; cb < kHeadDim / 32; ++cb)
             tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, cb * 32,
-                              static_cast<int>(step_head(it)), step_m0(it), static_cast<int>(b));
+                              static_cast<int>(step_head(walk)), step_m0(walk),
+                              static_cast<int>(b));
           bulk_commit();
           bulk_wait_all<true>();
           mbar_arrive(bar_dq_empty);
@@ -233,10 +326,12 @@ __global__ void __launch_bounds__(384, 1)
 
     for (int it = 0; it < n_steps; ++it) {
       const int s = it % kStages;
-      const int64_t n = step_head(it);
-      const int m0 = step_m0(it);
       const uint32_t sQ_s = sQ + s * Cfg::kQBytes, sdO_s = sdO + s * Cfg::kQBytes;
       mbar_wait(bar_full + 8 * s, (it / kStages) & 1);
+      // the step's head and first query, from the producer with the stage
+      const int2 info = sInfo[s];
+      const int64_t n = info.x;
+      const int m0 = info.y;
 
       // S^T = K Q^T and dP^T = V dO^T: (64, kBlockM), K = H in k16 steps, both operands
       // K-major (this warpgroup's 64 rows of K or V, the stage's Q or dO tile).
@@ -272,6 +367,12 @@ __global__ void __launch_bounds__(384, 1)
       } else {
         edge = warp_last_key >= s_len || (kCausal && warp_last_key > m0);
       }
+      // Segment ids: unless the warp's keys and the step's queries all carry one id.
+      bool seg_edge = false;
+      if (seg) {
+        const int2 wk = seg->warp_kv[warp - 4];
+        seg_edge = !(seg->q_lo[s] == seg->q_hi[s] && wk.x == wk.y && seg->q_lo[s] == wk.x);
+      }
       wgmma_wait<1>();
       fence_regs(acc_s);
 #pragma unroll
@@ -290,6 +391,16 @@ __global__ void __launch_bounds__(384, 1)
             }
           }
           acc_s[4 * i + c] = x;
+        }
+      }
+      if (seg_edge) {  // P^T = 0 where the query's id is not the key's
+        const int kv_id[2] = {seg->kv_ids[key_row - n0], seg->kv_ids[key_row + 8 - n0]};
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i) {
+          const int2 q = *reinterpret_cast<const int2*>(&seg->q_ids[s][8 * i + 2 * tig]);
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            if ((c % 2 ? q.y : q.x) != kv_id[c / 2]) acc_s[4 * i + c] = 0.f;
         }
       }
       wgmma_wait<0>();

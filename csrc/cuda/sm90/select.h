@@ -2,7 +2,7 @@
 // The sm90 kernels are compiled only when the build targets sm_90a (JAXFLASH_SM90, set by
 // cmake/cuda.cmake) and run only on a cc 9.x device at H == Hv in {64, 128}: the forward for
 // attention with at least one key whose variants are only the rules of sm90_rules_only, the
-// backward for those but segment ids (and not deterministic) with T, S > 0.
+// backward for the same (not deterministic) with T, S > 0.
 // JAXFLASH_DISABLE_SM90=1 forces the sm80 kernels (A/B benchmarking).
 #pragma once
 
@@ -74,10 +74,8 @@ inline bool use_fwd_sm90(const FwdParams& p) {
          p.b < (int64_t{1} << 31) && current_cc_major() == 9;
 }
 
-// The backward runs the key-range rules but not segment ids.
 inline bool use_bwd_sm90(const BwdParams& p) {
   return !sm90_disabled_by_env() && p.s > 0 && p.t > 0 && sm90_rules_only(p) &&
-         !p.q_segment_ids &&
          !p.deterministic && tma_strides_ok(p) &&
          tma_strides_ok({p.do_head_stride, p.do_row_stride, p.do_batch_stride}) &&
          p.b < (int64_t{1} << 31) && current_cc_major() == 9;
