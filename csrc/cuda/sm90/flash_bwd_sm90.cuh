@@ -118,7 +118,7 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
-  static constexpr uint32_t kOffInfo = kOffBar + (3 + 2 * kStages) * 8;  // int2 [kStages]
+  static constexpr uint32_t kOffInfo = kOffBar + (3 + 2 * kStages) * 8;  // int [kStages]
   static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;
   using Seg = BwdSegShared<kBlockM, kStages>;
   static constexpr int kSmemBytes = kOffSeg + sizeof(Seg) + 1024;
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sdQ = base + Cfg::kOffDQ;  // (H / 32, kBlockM, 32) fp32
   float* sLse = reinterpret_cast<float*>(smem + Cfg::kOffLse);      // (kStages, kBlockM)
   float* sDelta = reinterpret_cast<float*>(smem + Cfg::kOffDelta);  // (kStages, kBlockM)
-  int2* sInfo = reinterpret_cast<int2*>(smem + Cfg::kOffInfo);  // (kStages): the step's (n, m0)
+  int* sM0 = reinterpret_cast<int*>(smem + Cfg::kOffInfo);  // (kStages): the step's m0
   const uint32_t bar_kv = base + Cfg::kOffBar;
   const uint32_t bar_full = bar_kv + 8;                 // full[stage] at + 8 * stage
   const uint32_t bar_empty = bar_full + 8 * kStages;    // empty[stage]
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(384, 1)
         }
         const uint32_t full = bar_full + 8 * s;
         if (lane == 0) {
-          sInfo[s] = make_int2(static_cast<int>(n), m0);
+          sM0[s] = m0;
           mbar_arrive_expect_tx(full, 2 * Cfg::kQBytes);
           const uint32_t stage = s * Cfg::kQBytes;
           const int ci_n = static_cast<int>(n);
@@ -328,10 +328,8 @@ __global__ void __launch_bounds__(384, 1)
       const int s = it % kStages;
       const uint32_t sQ_s = sQ + s * Cfg::kQBytes, sdO_s = sdO + s * Cfg::kQBytes;
       mbar_wait(bar_full + 8 * s, (it / kStages) & 1);
-      // the step's head and first query, from the producer with the stage
-      const int2 info = sInfo[s];
-      const int64_t n = info.x;
-      const int m0 = info.y;
+      // the step's first query, from the producer with the stage
+      const int m0 = sM0[s];
 
       // S^T = K Q^T and dP^T = V dO^T: (64, kBlockM), K = H in k16 steps, both operands
       // K-major (this warpgroup's 64 rows of K or V, the stage's Q or dO tile).

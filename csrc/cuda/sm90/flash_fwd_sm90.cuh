@@ -197,9 +197,12 @@ __global__ void __launch_bounds__(384, 1)
   if (tid == 0) {
     mbar_init(bar_q, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_k + 8 * s, 1);
+      // the rules kernel: every lane of producer warp 0, which writes the stage's tile and ids
+      mbar_init(bar_k + 8 * s, kRules ? 32 : 1);
       mbar_init(bar_v + 8 * s, 1);
-      mbar_init(bar_empty + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
+      // lane 0 of each of the 8 consumer warps; in the rules kernel every consumer thread, all
+      // of which read the stage's tile (and ids)
+      mbar_init(bar_empty + 8 * s, kRules ? 256 : 8);
     }
     mbar_fence_init();
   }
@@ -281,8 +284,9 @@ __global__ void __launch_bounds__(384, 1)
             seg.kv_lo[s] = kv.x;
             seg.kv_hi[s] = kv.y;
           }
-          __syncwarp();  // the arrival on full_k publishes the warp's writes
+          // each lane's arrival on full_k publishes its writes
           if (lane == 0) load_kv(s, j_lo + r);
+          else mbar_arrive(bar_k + 8 * s);
         }
       }
     } else if (tid == 0) {
@@ -364,7 +368,7 @@ __global__ void __launch_bounds__(384, 1)
     // Both GEMMs that read the stage of tile it are complete: hand it back to the producer.
     auto release = [&](int it) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * (it % kStages));
+      if (kRules || lane == 0) mbar_arrive(bar_empty + 8 * (it % kStages));
     };
     // Online softmax of a completed S: keys >= S and under causal keys s > t (or what the
     // rules hide) set to -inf, only on tiles that need it, then the new running max m of the
