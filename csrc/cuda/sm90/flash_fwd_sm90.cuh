@@ -117,12 +117,13 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
   // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], then mbarriers
-  // q, full_k[kStages], full_v[kStages], empty[kStages], then (kRules) the SegShared.
+  // q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages], then (kRules) the
+  // SegShared.
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
   static constexpr uint32_t kOffBar = kOffV + kStages * kKVBytes;
-  static constexpr int kNumBars = 1 + 3 * kStages;
+  static constexpr int kNumBars = 1 + 4 * kStages;
   static constexpr uint32_t kOffSeg = (kOffBar + kNumBars * 8 + 15) / 16 * 16;
   using Seg = SegShared<kBlockN, kStages>;
   static constexpr int kSmemBytes =
@@ -158,7 +159,8 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_q = base + Cfg::kOffBar;
   const uint32_t bar_k = bar_q + 8;                 // full_k[stage] at + 8 * stage
   const uint32_t bar_v = bar_k + 8 * kStages;       // full_v[stage]
-  const uint32_t bar_empty = bar_v + 8 * kStages;   // empty[stage]
+  const uint32_t bar_empty_k = bar_v + 8 * kStages;      // empty_k[stage]
+  const uint32_t bar_empty_v = bar_empty_k + 8 * kStages;  // empty_v[stage]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
@@ -200,9 +202,10 @@ __global__ void __launch_bounds__(384, 1)
       // the rules kernel: every lane of producer warp 0, which writes the stage's tile and ids
       mbar_init(bar_k + 8 * s, kRules ? 32 : 1);
       mbar_init(bar_v + 8 * s, 1);
-      // lane 0 of each of the 8 consumer warps; in the rules kernel every consumer thread, all
-      // of which read the stage's tile (and ids)
-      mbar_init(bar_empty + 8 * s, kRules ? 256 : 8);
+      // lane 0 of each of the 8 consumer warps; for K in the rules kernel every consumer
+      // thread, all of which read the stage's tile (and ids) published with K
+      mbar_init(bar_empty_k + 8 * s, kRules ? 256 : 8);
+      mbar_init(bar_empty_v + 8 * s, 8);
     }
     mbar_fence_init();
   }
@@ -219,20 +222,13 @@ __global__ void __launch_bounds__(384, 1)
     for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
       tma_load_4d(sQ + cb * kBlockM * kRowBytes, &tma_q, bar_q, cb * 64, ci_n, m0, ci_b);
   };
-  // K and V of key tile j into ring stage s.
-  auto load_kv = [&](int s, int j) {
-    const uint32_t stage = s * Cfg::kKVBytes;
-    const int ci_kvh = static_cast<int>(kvh), ci_b = static_cast<int>(b);
-    mbar_arrive_expect_tx(bar_k + 8 * s, Cfg::kKVBytes);
+  // K (or V) of key tile j into ring stage s of sK (sV), completing on full_k[s] (full_v[s]).
+  auto load_tile = [&](const CUtensorMap* map, uint32_t ring, uint32_t full, int s, int j) {
+    mbar_arrive_expect_tx(full + 8 * s, Cfg::kKVBytes);
 #pragma unroll
     for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
-      tma_load_4d(sK + stage + cb * kBlockN * kRowBytes, &tma_k, bar_k + 8 * s, cb * 64, ci_kvh,
-                  j * kBlockN, ci_b);
-    mbar_arrive_expect_tx(bar_v + 8 * s, Cfg::kKVBytes);
-#pragma unroll
-    for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
-      tma_load_4d(sV + stage + cb * kBlockN * kRowBytes, &tma_v, bar_v + 8 * s, cb * 64, ci_kvh,
-                  j * kBlockN, ci_b);
+      tma_load_4d(ring + s * Cfg::kKVBytes + cb * kBlockN * kRowBytes, map, full + 8 * s, cb * 64,
+                  static_cast<int>(kvh), j * kBlockN, static_cast<int>(b));
   };
 
   if (segs) {
@@ -264,38 +260,43 @@ __global__ void __launch_bounds__(384, 1)
     // Producer warpgroup: one thread issues every copy, the rest have nothing to do; in the
     // rules kernel warp 0 also publishes each stage's tile (and ids: SegShared).
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if constexpr (kRules) {
-      if (warp == 0) {
-        if (!segs && lane == 0) load_q();
-        for (int it = 0, r = n_cand; it < n_blocks; ++it) {
+    if (kRules ? warp == 0 : tid == 0) {
+      if (!segs && lane == 0) load_q();  // with segment ids it is on its way already
+      // Step it loads K of tile it, then V of tile it - 1: the consumers issue S of tile it
+      // with P V of tile it - 1. A K stage is free once both S GEMMs read it, long before the
+      // V stage beside it, which waits for the slower warpgroup's P V.
+      for (int it = 0, r = n_cand, j_prev = 0; it <= n_blocks; ++it) {
+        int j = 0;
+        if (it < n_blocks) {
           r = segs ? seg.prev_live(r - 1) : r - 1;  // tiles last to first
-          const int s = it % kStages, n0 = (j_lo + r) * kBlockN;
+          j = j_lo + r;
+          const int s = it % kStages, n0 = j * kBlockN;
           int v[4];
           int2 kv = make_int2(0, 0);
           if (segs) kv = load_ids(v, gKvSeg, n0, keys.x, min(n0 + kBlockN, keys.y), lane);
-          // Stage s last held tile it - kStages: wait until both consumers released it.
-          if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
-          if (segs) {
+          // Stage s last held K of tile it - kStages: wait until both consumers released it.
+          if (it >= kStages) mbar_wait(bar_empty_k + 8 * s, (it / kStages - 1) & 1);
+          if constexpr (kRules) {
+            if (segs) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) seg.kv_ids[s][lane + 32 * k] = v[k];
+              for (int k = 0; k < 4; ++k) seg.kv_ids[s][lane + 32 * k] = v[k];
+            }
+            if (lane == 0) {
+              seg.tile[s] = j;
+              seg.kv_lo[s] = kv.x;
+              seg.kv_hi[s] = kv.y;
+            }
           }
-          if (lane == 0) {
-            seg.tile[s] = j_lo + r;
-            seg.kv_lo[s] = kv.x;
-            seg.kv_hi[s] = kv.y;
-          }
-          // each lane's arrival on full_k publishes its writes
-          if (lane == 0) load_kv(s, j_lo + r);
+          // each lane's arrival on full_k publishes its writes (the rules kernel's warp)
+          if (lane == 0) load_tile(&tma_k, sK, bar_k, s, j);
           else mbar_arrive(bar_k + 8 * s);
         }
-      }
-    } else if (tid == 0) {
-      load_q();
-      for (int it = 0; it < n_blocks; ++it) {
-        const int j = j_lo + n_blocks - 1 - it, s = it % kStages;
-        // Stage s last held tile it - kStages: wait until both consumers released it.
-        if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
-        load_kv(s, j);
+        if (it > 0) {
+          const int s = (it - 1) % kStages;
+          if (it - 1 >= kStages) mbar_wait(bar_empty_v + 8 * s, ((it - 1) / kStages - 1) & 1);
+          if (lane == 0) load_tile(&tma_v, sV, bar_v, s, j_prev);
+        }
+        j_prev = j;
       }
     }
   } else {
@@ -365,10 +366,15 @@ __global__ void __launch_bounds__(384, 1)
       }
       wgmma_commit();
     };
-    // Both GEMMs that read the stage of tile it are complete: hand it back to the producer.
-    auto release = [&](int it) {
+    // The GEMM that reads K (V) of tile it is complete (and in the rules kernel the softmax has
+    // read the stage's tile and ids): hand the stage back to the producer.
+    auto release_k = [&](int it) {
       __syncwarp();
-      if (kRules || lane == 0) mbar_arrive(bar_empty + 8 * (it % kStages));
+      if (kRules || lane == 0) mbar_arrive(bar_empty_k + 8 * (it % kStages));
+    };
+    auto release_v = [&](int it) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty_v + 8 * (it % kStages));
     };
     // Online softmax of a completed S: keys >= S and under causal keys s > t (or what the
     // rules hide) set to -inf, only on tiles that need it, then the new running max m of the
@@ -481,7 +487,9 @@ __global__ void __launch_bounds__(384, 1)
       turn_end();
       wgmma_wait<0>();
       fence_regs(acc_s);
+      if (!kRules) release_k(0);
       softmax(acc_s, 0, corr);  // O is still 0: no rescale
+      if (kRules) release_k(0);
       convert_p(acc_s, rP);
     }
     for (int it = 1; it < n_blocks; ++it) {
@@ -492,10 +500,12 @@ __global__ void __launch_bounds__(384, 1)
       turn_end();
       wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
       fence_regs(acc_s);
+      if (!kRules) release_k(it);
       softmax(acc_s, it, corr);
+      if (kRules) release_k(it);
       wgmma_wait<0>();
       fence_regs(acc_o);
-      release(it - 1);
+      release_v(it - 1);
       rescale_o(corr);
       convert_p(acc_s, rP);
     }
@@ -505,7 +515,7 @@ __global__ void __launch_bounds__(384, 1)
       turn_end();
       wgmma_wait<0>();
       fence_regs(acc_o);
-      release(n_blocks - 1);
+      release_v(n_blocks - 1);
     }
 
     // Epilogue: O = acc / l, lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0 and
