@@ -3,12 +3,14 @@
 // A CTA of 3 warpgroups owns a (kBlockM = 128, H) tile of queries of one (batch b, head n):
 //   - warpgroup 0, the producer, gives up registers (setmaxnreg.dec); one thread issues the
 //     TMA copies: the Q tile once, then the (kBlockN, H) K and V tiles of kv head n / group
-//     into a 2-stage shared-memory ring, each completing on its own mbarrier;
+//     into 2-stage shared-memory rings, each completing on its own mbarrier;
 //   - warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc) and own 64 query
 //     rows each: S = Q K^T by wgmma from shared memory, the online softmax in registers, then
-//     O += P V by wgmma with P from registers; they hand a stage back to the producer through
-//     its "empty" mbarrier once both GEMMs that read it have completed. As in FA3, S of tile
-//     j + 1 and P V of tile j are in flight together while the softmax of j + 1 runs.
+//     O += P V by wgmma with P from registers; they hand a K stage back to the producer
+//     through its "empty" mbarrier once both S GEMMs have read it, and a V stage once both
+//     P V GEMMs have (a stage of both would wait for the slower warpgroup's P V and expose
+//     the next K's load). As in FA3, S of tile j + 1 and P V of tile j are in flight together
+//     while the softmax of j + 1 runs.
 // Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
 // causal diagonal) come first; masking is skipped on every other tile.
 //
