@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
 # (gpu-suite, gpu-suite-sm80, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg,
-# sanitize-hdims, ...), each logged under $OUT.
+# sanitize-hdims, stalls, ab, ...), each logged under $OUT.
+# ab: AB="base new" times the builds .gl/ext_base.so.xz, .gl/ext_new.so.xz one after the other
+# (jaxflash alone, D 64/128, S 4k/16k, both directions) and leaves the last one installed.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
 # jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so (or .gl/ext.so.xz, the same xz-packed).
 set -uo pipefail
@@ -64,6 +66,21 @@ for stage in "$@"; do
         ncu --import "$OUT/prof.ncu-rep" --page details > "$OUT/prof.txt" 2>&1
         grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Shared Memory Configuration Size|L1/TEX Hit|Bank|Warp Cycles Per Issued|Executed Ipc A" "$OUT/prof.txt" | head -40
         rm -f "$OUT/prof.ncu-rep" ;;
+    # per-instruction stall sampling of the sm90 forward and backward (D=128, S=4k), summarised
+    stalls) for k in fwd bwd; do
+          timeout 150 ncu --kernel-name regex:flash_${k}_sm90 --launch-skip 1 --launch-count 1 \
+            --section SourceCounters --section WarpStateStats -o "$OUT/src_$k" \
+            python3 benchmarks/profile_kernels.py --D 128 --S 4096 >"$OUT/ncu_$k.log" 2>&1
+          ncu --import "$OUT/src_$k.ncu-rep" --page source --csv --print-source sass >"$OUT/src_$k.csv"
+          rm -f "$OUT/src_$k.ncu-rep"
+          python3 benchmarks/stall_sites.py "$OUT/src_$k.csv" --top 12 | tee "$OUT/stalls_$k.txt"
+        done ;;
+    ab) for v in ${AB:?AB names the builds .gl/ext_NAME.so.xz to compare}; do
+          xz -dc ".gl/ext_$v.so.xz" > jaxflash/_jaxflash_ext.cpython-312-x86_64-linux-gnu.so
+          echo "--- $v"
+          timeout 200 python3 benchmarks/bench.py --dims 64 128 --seqlens 4096 16384 --peers jaxflash \
+            --out "$OUT/ab_$v" --commit "$v" --results "$OUT/ab_$v.md" 2>&1 | grep "|"
+        done ;;
     sanitize) for tool in memcheck racecheck; do for D in 64 128; do for c in "" --causal; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --small --D $D $c --reps 1 2>&1 | tail -2 \
