@@ -47,9 +47,9 @@ def check_against_reference(attn, q, k, v, dout, dlse, **kw) -> dict[str, tuple[
   out, lse = jax.jit(lambda q, k, v: attn(q, k, v, return_residual=True, **kw))(q, k, v)
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
-  ref = jax.jit(lambda *a: reference_grads(*a, **kw))  # one compile, not one per op
-  (r_out, r_lse), r_grads = ref(*f32, dlse)
-  (l_out, l_lse), l_grads = ref(q, k, v, dout, dlse)
+  run_reference = jax.jit(lambda *a: reference_grads(*a, **kw))  # one compile, not one per op
+  (r_out, r_lse), r_grads = run_reference(*f32, dlse)
+  (l_out, l_lse), l_grads = run_reference(q, k, v, dout, dlse)
   got = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
   ref = dict(out=r_out, lse=r_lse, dq=r_grads[0], dk=r_grads[1], dv=r_grads[2])
   lo = dict(out=l_out, lse=l_lse, dq=l_grads[0], dk=l_grads[1], dv=l_grads[2])

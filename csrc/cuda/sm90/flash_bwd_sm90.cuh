@@ -119,7 +119,7 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
   static constexpr uint32_t kOffInfo = kOffBar + (3 + 2 * kStages) * 8;  // int [kStages]
-  static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;
+  static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;  // 8-aligned: Seg holds int2
   using Seg = BwdSegShared<kBlockM, kStages>;
   static constexpr int kSmemBytes = kOffSeg + sizeof(Seg) + 1024;
 
