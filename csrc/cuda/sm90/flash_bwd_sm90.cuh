@@ -371,11 +371,17 @@ __global__ void __launch_bounds__(384, 1)
         const int2 wk = seg->warp_kv[warp - 4];
         seg_edge = !(seg->q_lo[s] == seg->q_hi[s] && wk.x == wk.y && seg->q_lo[s] == wk.x);
       }
+      // The step's lse rows, read while S^T is in flight (their shared-memory latency was on the
+      // exp2's critical path).
+      float2 lse_q[kNS / 4];
+#pragma unroll
+      for (int i = 0; i < kNS / 4; ++i)
+        lse_q[i] = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * tig);
       wgmma_wait<1>();
       fence_regs(acc_s);
 #pragma unroll
       for (int i = 0; i < kNS / 4; ++i) {
-        const float2 l = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * tig);
+        const float2 l = lse_q[i];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           float x = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -(c % 2 ? l.y : l.x)));
@@ -421,8 +427,10 @@ __global__ void __launch_bounds__(384, 1)
           rdS[kk][r] = pack2<T>(acc_dp[8 * kk + 2 * r], acc_dp[8 * kk + 2 * r + 1]);
         }
 
-      // dV += P^T dO, dK += dS^T Q: K = kBlockM queries in k16 steps of 16 rows (2 swizzle
-      // atoms); B MN-major (N = H contiguous), its column blocks kBlockM * 128 bytes apart.
+      // dV += P^T dO, and after dQ below dK += dS^T Q: K = kBlockM queries in k16 steps of 16
+      // rows (2 swizzle atoms); B MN-major (N = H contiguous), its column blocks kBlockM * 128
+      // bytes apart. Three commit groups in the order dV, dQ, dK, so that dQ's stores wait
+      // for dQ only and overlap dK.
       fence_regs(acc_dv);
       fence_regs(acc_dk);
       wgmma_fence();
@@ -430,10 +438,6 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < kKM; ++kk)
         Wgmma<kHeadDim>::template rs<T>(
             acc_dv, rP[kk], sw128_desc(sdO_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
-#pragma unroll
-      for (int kk = 0; kk < kKM; ++kk)
-        Wgmma<kHeadDim>::template rs<T>(
-            acc_dk, rdS[kk], sw128_desc(sQ_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
       wgmma_commit();
 
       // dS^T into shared buffer it % 2, rows = keys. The other warpgroup last read this buffer
@@ -467,12 +471,14 @@ __global__ void __launch_bounds__(384, 1)
                        kBlockN * kRowBytes, 1024),
             kk > 0);
       wgmma_commit();
-      wgmma_wait<0>();
+#pragma unroll
+      for (int kk = 0; kk < kKM; ++kk)
+        Wgmma<kHeadDim>::template rs<T>(
+            acc_dk, rdS[kk], sw128_desc(sQ_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
       fence_regs(acc_dq);
       fence_regs(acc_dv);
-      fence_regs(acc_dk);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
 
       // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
       // writer has read step it - 1's; element 4 i + 2 h of acc_dq sits 8 h rows and 8 i
@@ -489,6 +495,10 @@ __global__ void __launch_bounds__(384, 1)
       fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_dq_full);
+      wgmma_wait<0>();  // dK: the stage's Q and dO are read
+      fence_regs(acc_dk);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
     }
 
     // dK = scale * acc_dk, dV = acc_dv in the input dtype; keys past S are not stored.
