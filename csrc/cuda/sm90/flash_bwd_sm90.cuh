@@ -371,16 +371,22 @@ __global__ void __launch_bounds__(384, 1)
         const int2 wk = seg->warp_kv[warp - 4];
         seg_edge = !(seg->q_lo[s] == seg->q_hi[s] && wk.x == wk.y && seg->q_lo[s] == wk.x);
       }
-      // The step's lse rows, read while S^T is in flight (their shared-memory latency was on the
-      // exp2's critical path).
+      // At kBlockM = 64 the step's lse rows are read while S^T is in flight (their shared-memory
+      // latency was on the exp2's critical path); 128 rows' worth of registers would spill.
+      constexpr bool kLseEarly = kBlockM == 64;
       float2 lse_q[kNS / 4];
-#pragma unroll
-      for (int i = 0; i < kNS / 4; ++i)
+      auto read_lse = [&](int i) {
         lse_q[i] = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * tig);
+      };
+      if constexpr (kLseEarly) {
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i) read_lse(i);
+      }
       wgmma_wait<1>();
       fence_regs(acc_s);
 #pragma unroll
       for (int i = 0; i < kNS / 4; ++i) {
+        if constexpr (!kLseEarly) read_lse(i);
         const float2 l = lse_q[i];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
