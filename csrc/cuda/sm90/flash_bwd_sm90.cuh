@@ -35,6 +35,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../params.h"
 #include "../flash_bwd.cuh"
@@ -384,25 +385,35 @@ __global__ void __launch_bounds__(384, 1)
       }
       wgmma_wait<1>();
       fence_regs(acc_s);
+      // Two copies of the loop, with and without the element test: as one loop with the test
+      // selected by `edge`, ptxas computed every element's predicate ahead of the S^T GEMM
+      // and kept them in registers (P2R) on every step.
+      auto p_tile = [&](auto edge_c) {
+        constexpr bool kEdge = decltype(edge_c)::value;
 #pragma unroll
-      for (int i = 0; i < kNS / 4; ++i) {
-        if constexpr (!kLseEarly) read_lse(i);
-        const float2 l = lse_q[i];
+        for (int i = 0; i < kNS / 4; ++i) {
+          if constexpr (!kLseEarly) read_lse(i);
+          const float2 l = lse_q[i];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float x = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -(c % 2 ? l.y : l.x)));
-          if (edge) {
-            const int key = key_row + 8 * (c / 2), q = m0 + 8 * i + 2 * tig + c % 2;
-            if constexpr (kRules) {
-              const int d = (key - warp_key0) - (q - m0);
-              if (key >= rules.kv_len || d < lo_d || d > hi_d) x = 0.f;
-            } else {
-              if (key >= s_len || (kCausal && key > q)) x = 0.f;
+          for (int c = 0; c < 4; ++c) {
+            float x = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -(c % 2 ? l.y : l.x)));
+            if constexpr (kEdge) {
+              const int key = key_row + 8 * (c / 2), q = m0 + 8 * i + 2 * tig + c % 2;
+              if constexpr (kRules) {
+                const int d = (key - warp_key0) - (q - m0);
+                if (key >= rules.kv_len || d < lo_d || d > hi_d) x = 0.f;
+              } else {
+                if (key >= s_len || (kCausal && key > q)) x = 0.f;
+              }
             }
+            acc_s[4 * i + c] = x;
           }
-          acc_s[4 * i + c] = x;
         }
-      }
+      };
+      if (edge)
+        p_tile(std::true_type{});
+      else
+        p_tile(std::false_type{});
       if (seg_edge) {  // P^T = 0 where the query's id is not the key's
         const int kv_id[2] = {seg->kv_ids[key_row - n0], seg->kv_ids[key_row + 8 - n0]};
 #pragma unroll
