@@ -104,8 +104,8 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T buffer
   // The dQ writer's loop needs 40 registers in the producer warpgroup (24 spilled).
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
-  // dQ's fp32 tile: H / 32 column blocks of (kBlockM, 32), dense 128-byte rows (unswizzled: a
-  // warp's float2 stores take 8 wavefronts, not 2, but the swizzle's addresses spilled).
+  // dQ's fp32 tile: H / 32 column blocks of (kBlockM, 32), 128-byte rows in TMA's 128-byte
+  // swizzle, so that a warp's float2 stores (8 rows x 32 bytes) take 2 wavefronts, not 8.
   static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4;
   // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kStages], sdS[2],
   // lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the mbarriers kv,
@@ -501,13 +501,17 @@ __global__ void __launch_bounds__(384, 1)
       // writer has read step it - 1's; element 4 i + 2 h of acc_dq sits 8 h rows and 8 i
       // columns past this thread's first (row dq_row0 + 16 wi + g, column dq_col0 + 2 tig).
       if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
+      // Row r of a column block holds 16-byte chunk c at c ^ (r % 8), and r % 8 = g; column
+      // 8 i + 2 tig is chunk 2 (i % 4) + tig / 2, so its swizzled byte offset in the row is
+      // this thread's offset for i % 4 = 0, XOR 32 (i % 4).
       const uint32_t sdq_thread = sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
-                                  (dq_row0 + 16 * wi + g) * kRowBytes + 2 * tig * 4;
+                                  (dq_row0 + 16 * wi + g) * kRowBytes +
+                                  (((tig / 2) ^ g) * 16 + (tig % 2) * 8);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          sts_f32x2(sdq_thread + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes + (i % 4) * 32,
+          sts_f32x2((sdq_thread ^ ((i % 4) * 32)) + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes,
                     acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
       fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
       __syncwarp();
@@ -562,7 +566,7 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
                             p.v_batch_stride, Cfg::kBlockN) ||
       // dq_accum: (B, T, N, H) fp32, dense
       !sm90::encode_btnh<float>(&tma_dq, p.dq_accum, p.h, p.n, p.t, p.b, p.h, p.n * p.h,
-                                p.t * p.n * p.h, Cfg::kBlockM, /*swizzle=*/false))
+                                p.t * p.n * p.h, Cfg::kBlockM))
     return false;
   bwd::launch_preprocess<T, kHeadDim, kHeadDim>(p, stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
