@@ -35,6 +35,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../params.h"
 #include "../flash_bwd.cuh"
@@ -103,8 +104,8 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T buffer
   // The dQ writer's loop needs 40 registers in the producer warpgroup (24 spilled).
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
-  // dQ's fp32 tile: H / 32 column blocks of (kBlockM, 32), dense 128-byte rows (unswizzled: a
-  // warp's float2 stores take 8 wavefronts, not 2, but the swizzle's addresses spilled).
+  // dQ's fp32 tile: H / 32 column blocks of (kBlockM, 32), 128-byte rows in TMA's 128-byte
+  // swizzle, so that a warp's float2 stores (8 rows x 32 bytes) take 2 wavefronts, not 8.
   static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4;
   // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kStages], sdS[2],
   // lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the mbarriers kv,
@@ -371,26 +372,48 @@ __global__ void __launch_bounds__(384, 1)
         const int2 wk = seg->warp_kv[warp - 4];
         seg_edge = !(seg->q_lo[s] == seg->q_hi[s] && wk.x == wk.y && seg->q_lo[s] == wk.x);
       }
+      // At kBlockM = 64 the step's lse rows are read while S^T is in flight (their shared-memory
+      // latency was on the exp2's critical path); 128 rows' worth of registers would spill.
+      constexpr bool kLseEarly = kBlockM == 64;
+      float2 lse_q[kNS / 4];
+      auto read_lse = [&](int i) {
+        lse_q[i] = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * tig);
+      };
+      if constexpr (kLseEarly) {
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i) read_lse(i);
+      }
       wgmma_wait<1>();
       fence_regs(acc_s);
+      // Two copies of the loop, with and without the element test: as one loop with the test
+      // selected by `edge`, ptxas computed every element's predicate ahead of the S^T GEMM
+      // and kept them in registers (P2R) on every step.
+      auto p_tile = [&](auto edge_c) {
+        constexpr bool kEdge = decltype(edge_c)::value;
 #pragma unroll
-      for (int i = 0; i < kNS / 4; ++i) {
-        const float2 l = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * tig);
+        for (int i = 0; i < kNS / 4; ++i) {
+          if constexpr (!kLseEarly) read_lse(i);
+          const float2 l = lse_q[i];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float x = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -(c % 2 ? l.y : l.x)));
-          if (edge) {
-            const int key = key_row + 8 * (c / 2), q = m0 + 8 * i + 2 * tig + c % 2;
-            if constexpr (kRules) {
-              const int d = (key - warp_key0) - (q - m0);
-              if (key >= rules.kv_len || d < lo_d || d > hi_d) x = 0.f;
-            } else {
-              if (key >= s_len || (kCausal && key > q)) x = 0.f;
+          for (int c = 0; c < 4; ++c) {
+            float x = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -(c % 2 ? l.y : l.x)));
+            if constexpr (kEdge) {
+              const int key = key_row + 8 * (c / 2), q = m0 + 8 * i + 2 * tig + c % 2;
+              if constexpr (kRules) {
+                const int d = (key - warp_key0) - (q - m0);
+                if (key >= rules.kv_len || d < lo_d || d > hi_d) x = 0.f;
+              } else {
+                if (key >= s_len || (kCausal && key > q)) x = 0.f;
+              }
             }
+            acc_s[4 * i + c] = x;
           }
-          acc_s[4 * i + c] = x;
         }
-      }
+      };
+      if (edge)
+        p_tile(std::true_type{});
+      else
+        p_tile(std::false_type{});
       if (seg_edge) {  // P^T = 0 where the query's id is not the key's
         const int kv_id[2] = {seg->kv_ids[key_row - n0], seg->kv_ids[key_row + 8 - n0]};
 #pragma unroll
@@ -421,8 +444,10 @@ __global__ void __launch_bounds__(384, 1)
           rdS[kk][r] = pack2<T>(acc_dp[8 * kk + 2 * r], acc_dp[8 * kk + 2 * r + 1]);
         }
 
-      // dV += P^T dO, dK += dS^T Q: K = kBlockM queries in k16 steps of 16 rows (2 swizzle
-      // atoms); B MN-major (N = H contiguous), its column blocks kBlockM * 128 bytes apart.
+      // dV += P^T dO, and after dQ below dK += dS^T Q: K = kBlockM queries in k16 steps of 16
+      // rows (2 swizzle atoms); B MN-major (N = H contiguous), its column blocks kBlockM * 128
+      // bytes apart. Three commit groups in the order dV, dQ, dK, so that dQ's stores wait
+      // for dQ only and overlap dK.
       fence_regs(acc_dv);
       fence_regs(acc_dk);
       wgmma_fence();
@@ -430,10 +455,6 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < kKM; ++kk)
         Wgmma<kHeadDim>::template rs<T>(
             acc_dv, rP[kk], sw128_desc(sdO_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
-#pragma unroll
-      for (int kk = 0; kk < kKM; ++kk)
-        Wgmma<kHeadDim>::template rs<T>(
-            acc_dk, rdS[kk], sw128_desc(sQ_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
       wgmma_commit();
 
       // dS^T into shared buffer it % 2, rows = keys. The other warpgroup last read this buffer
@@ -467,28 +488,38 @@ __global__ void __launch_bounds__(384, 1)
                        kBlockN * kRowBytes, 1024),
             kk > 0);
       wgmma_commit();
-      wgmma_wait<0>();
+#pragma unroll
+      for (int kk = 0; kk < kKM; ++kk)
+        Wgmma<kHeadDim>::template rs<T>(
+            acc_dk, rdS[kk], sw128_desc(sQ_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
       fence_regs(acc_dq);
       fence_regs(acc_dv);
-      fence_regs(acc_dk);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
 
       // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
       // writer has read step it - 1's; element 4 i + 2 h of acc_dq sits 8 h rows and 8 i
       // columns past this thread's first (row dq_row0 + 16 wi + g, column dq_col0 + 2 tig).
       if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
+      // Row r of a column block holds 16-byte chunk c at c ^ (r % 8), and r % 8 = g; column
+      // 8 i + 2 tig is chunk 2 (i % 4) + tig / 2, so its swizzled byte offset in the row is
+      // this thread's offset for i % 4 = 0, XOR 32 (i % 4).
       const uint32_t sdq_thread = sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
-                                  (dq_row0 + 16 * wi + g) * kRowBytes + 2 * tig * 4;
+                                  (dq_row0 + 16 * wi + g) * kRowBytes +
+                                  (((tig / 2) ^ g) * 16 + (tig % 2) * 8);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          sts_f32x2(sdq_thread + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes + (i % 4) * 32,
+          sts_f32x2((sdq_thread ^ ((i % 4) * 32)) + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes,
                     acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
       fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_dq_full);
+      wgmma_wait<0>();  // dK: the stage's Q and dO are read
+      fence_regs(acc_dk);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
     }
 
     // dK = scale * acc_dk, dV = acc_dv in the input dtype; keys past S are not stored.
@@ -535,7 +566,7 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
                             p.v_batch_stride, Cfg::kBlockN) ||
       // dq_accum: (B, T, N, H) fp32, dense
       !sm90::encode_btnh<float>(&tma_dq, p.dq_accum, p.h, p.n, p.t, p.b, p.h, p.n * p.h,
-                                p.t * p.n * p.h, Cfg::kBlockM, /*swizzle=*/false))
+                                p.t * p.n * p.h, Cfg::kBlockM))
     return false;
   bwd::launch_preprocess<T, kHeadDim, kHeadDim>(p, stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;

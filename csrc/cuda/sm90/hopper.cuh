@@ -183,13 +183,13 @@ inline EncodeTiledFn encode_tiled() {
 }
 
 // The (H, heads, L, B) view of a BTNH (or BSKH) tensor, innermost first, and a box of
-// (128 / sizeof(T), 1, box_rows, 1): box_rows rows of one (batch, head), 128 bytes of each,
-// swizzled unless !swizzle. Rows past L read as zeros (a reduce skips them) and never cross
+// (128 / sizeof(T), 1, box_rows, 1): box_rows rows of one (batch, head), 128 bytes of each, in
+// 128-byte swizzle. Rows past L read as zeros (a reduce skips them) and never cross
 // into the next batch.
 template <typename T>
 bool encode_btnh(CUtensorMap* map, const void* ptr, int64_t h, int64_t heads, int64_t len,
                  int64_t batch, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
-                 int box_rows, bool swizzle = true) {
+                 int box_rows) {
   const EncodeTiledFn fn = encode_tiled();
   if (fn == nullptr) return false;
   constexpr int64_t kBytes = sizeof(T);
@@ -205,7 +205,7 @@ bool encode_btnh(CUtensorMap* map, const void* ptr, int64_t h, int64_t heads, in
                                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   return fn(map, dtype, 4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
             CU_TENSOR_MAP_INTERLEAVE_NONE,
-            swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B,
             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
