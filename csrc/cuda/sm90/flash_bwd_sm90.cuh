@@ -102,8 +102,10 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // K or V
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);   // one Q or dO stage
   static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T buffer
-  // The dQ writer's loop needs 40 registers in the producer warpgroup (24 spilled).
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  // 240 consumer registers: at 232, reading the lse and delta rows early (below) made ptxas
+  // serialise the wgmmas (C7512, too few registers). The producer and dQ writer warps spill a
+  // few values at 24; they only issue copies.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // dQ's fp32 tile: H / 32 column blocks of (kBlockM, 32), 128-byte rows in TMA's 128-byte
   // swizzle, so that a warp's float2 stores (8 rows x 32 bytes) take 2 wavefronts, not 8.
   static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4;
@@ -345,6 +347,23 @@ __global__ void __launch_bounds__(384, 1)
         }
         wgmma_commit();
       };
+      const float* lse = sLse + s * kBlockM;
+      const float* delta = sDelta + s * kBlockM;
+      // At kBlockM = 64 the step's lse rows are read before S^T is issued, its delta rows
+      // while dP^T is in flight (the stall sampling found exp2 waiting on their shared-memory
+      // latency); 128 rows' worth of registers would spill.
+      constexpr bool kRowsEarly = kBlockM == 64;
+      float2 lse_q[kNS / 4], delta_q[kNS / 4];
+      auto read_lse = [&](int i) {
+        lse_q[i] = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * tig);
+      };
+      auto read_delta = [&](int i) {
+        delta_q[i] = *reinterpret_cast<const float2*>(delta + 8 * i + 2 * tig);
+      };
+      if constexpr (kRowsEarly) {
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i) read_lse(i);
+      }
       wgmma_fence();
       issue_rows_by_tile(acc_s, k_rows, sQ_s);
       issue_rows_by_tile(acc_dp, v_rows, sdO_s);
@@ -353,8 +372,6 @@ __global__ void __launch_bounds__(384, 1)
       // past the query (kRules: keys >= kv_len or outside the band -wl <= key - q - shift
       // <= hi); only warps whose 16 keys are not all visible to all the step's queries test
       // elements.
-      const float* lse = sLse + s * kBlockM;
-      const float* delta = sDelta + s * kBlockM;
       const int warp_key0 = n0 + 64 * cw + 16 * wi, warp_last_key = warp_key0 + 15;
       bool edge;
       int lo_d = 0, hi_d = 0;  // kRules: key - q in tile offsets (key - warp_key0, q - m0)
@@ -372,17 +389,6 @@ __global__ void __launch_bounds__(384, 1)
         const int2 wk = seg->warp_kv[warp - 4];
         seg_edge = !(seg->q_lo[s] == seg->q_hi[s] && wk.x == wk.y && seg->q_lo[s] == wk.x);
       }
-      // At kBlockM = 64 the step's lse rows are read while S^T is in flight (their shared-memory
-      // latency was on the exp2's critical path); 128 rows' worth of registers would spill.
-      constexpr bool kLseEarly = kBlockM == 64;
-      float2 lse_q[kNS / 4];
-      auto read_lse = [&](int i) {
-        lse_q[i] = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * tig);
-      };
-      if constexpr (kLseEarly) {
-#pragma unroll
-        for (int i = 0; i < kNS / 4; ++i) read_lse(i);
-      }
       wgmma_wait<1>();
       fence_regs(acc_s);
       // Two copies of the loop, with and without the element test: as one loop with the test
@@ -392,7 +398,7 @@ __global__ void __launch_bounds__(384, 1)
         constexpr bool kEdge = decltype(edge_c)::value;
 #pragma unroll
         for (int i = 0; i < kNS / 4; ++i) {
-          if constexpr (!kLseEarly) read_lse(i);
+          if constexpr (!kRowsEarly) read_lse(i);
           const float2 l = lse_q[i];
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
@@ -424,6 +430,10 @@ __global__ void __launch_bounds__(384, 1)
             if ((c % 2 ? q.y : q.x) != kv_id[c / 2]) acc_s[4 * i + c] = 0.f;
         }
       }
+      if constexpr (kRowsEarly) {
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i) read_delta(i);
+      }
       wgmma_wait<0>();
       fence_regs(acc_dp);
       // dS^T = P^T (dP^T - delta[q]); P^T and dS^T as wgmma A fragments (k16 step kk is
@@ -431,7 +441,8 @@ __global__ void __launch_bounds__(384, 1)
       uint32_t rP[kKM][4], rdS[kKM][4];
 #pragma unroll
       for (int i = 0; i < kNS / 4; ++i) {
-        const float2 d = *reinterpret_cast<const float2*>(delta + 8 * i + 2 * tig);
+        if constexpr (!kRowsEarly) read_delta(i);
+        const float2 d = delta_q[i];
 #pragma unroll
         for (int c = 0; c < 4; ++c)
           acc_dp[4 * i + c] = acc_s[4 * i + c] * (acc_dp[4 * i + c] - (c % 2 ? d.y : d.x));
