@@ -32,6 +32,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -107,6 +108,8 @@ __device__ __forceinline__ int2 load_ids(int (&v)[4], const int32_t* ids, int ba
 template <typename T, int kHeadDim, bool kCausal, bool kRules>
 struct FwdCfgSm90 {
   static constexpr bool kMasked = kCausal || kRules;
+  // The plain kernel's tiles are alike: a persistent grid, one CTA per SM (see the kernel).
+  static constexpr bool kPersistent = !kMasked;
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
   static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked>::kBlockN;
   static constexpr int kStages = 2;
@@ -119,13 +122,13 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
   // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], then mbarriers
-  // q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages], then (kRules) the
-  // SegShared.
+  // q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages], q_empty, then
+  // (kRules) the SegShared.
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
   static constexpr uint32_t kOffBar = kOffV + kStages * kKVBytes;
-  static constexpr int kNumBars = 1 + 4 * kStages;
+  static constexpr int kNumBars = 2 + 4 * kStages;
   static constexpr uint32_t kOffSeg = (kOffBar + kNumBars * 8 + 15) / 16 * 16;
   using Seg = SegShared<kBlockN, kStages>;
   static constexpr int kSmemBytes =
@@ -144,10 +147,12 @@ template <typename T, int kHeadDim, bool kCausal, bool kRules>
 __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_kernel(const FwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
-                          const __grid_constant__ CUtensorMap tma_v, int num_m_blocks) {
+                          const __grid_constant__ CUtensorMap tma_v, int num_m_blocks,
+                          int n_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
   using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules>;
+  constexpr bool kPersistent = Cfg::kPersistent;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
 
@@ -163,29 +168,38 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_v = bar_k + 8 * kStages;       // full_v[stage]
   const uint32_t bar_empty_k = bar_v + 8 * kStages;      // empty_k[stage]
   const uint32_t bar_empty_v = bar_empty_k + 8 * kStages;  // empty_v[stage]
+  const uint32_t bar_q_empty = bar_empty_v + 8 * kStages;  // both warpgroups' S GEMMs read sQ
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-  // blockIdx.x enumerates (b, n, m_block), m_block fastest (the query tiles of one head share
-  // its K/V in L2); causal runs the longest rows first. Rows are int (T, S < 2^30).
+  // Tile t enumerates (b, n, m_block), m_block fastest (the query tiles of one head share its
+  // K/V in L2); causal runs the longest rows first. A CTA runs tiles blockIdx.x, + gridDim.x,
+  // ...: one each (causal, the rules: the hardware balances their unequal tiles) or, for the
+  // plain kernel, a persistent grid of one CTA per SM, whose producer loads the next tile's Q
+  // and K while the consumers finish the last one. Rows are int (T, S < 2^30).
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
-  int m_block = static_cast<int>(blockIdx.x % num_m_blocks);
-  const int64_t bn = blockIdx.x / num_m_blocks;  // b * N + n
-  const int64_t n = bn % p.n, b = bn / p.n;
-  if (kCausal || (kRules && p.is_causal)) m_block = num_m_blocks - 1 - m_block;
-  const int64_t kvh = n / (p.n / p.kh);  // GQA: kv head of query head n
-  const int m0 = m_block * kBlockM;
-  // Key tiles j_lo .. j_lo + n_blocks - 1 hold the keys this tile needs: all S, under causal up
-  // to its last row t (s <= t), under the rules their key range [keys.x, keys.y); with segment
-  // ids, n_blocks becomes the number of those visited (SegShared).
-  int j_lo = 0, n_blocks = ((kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len) +
-                            kBlockN - 1) / kBlockN;
+  int64_t bn, n, b, kvh;
+  int m0, j_lo, n_blocks;
   int2 keys = make_int2(0, 0);
-  if constexpr (kRules) {
-    keys = Rules(p, b).key_range(m0, kBlockM);
-    j_lo = keys.x / kBlockN;
-    n_blocks = keys.y > keys.x ? (keys.y + kBlockN - 1) / kBlockN - j_lo : 0;
-  }
+  auto set_tile = [&](int t) {
+    int m_block = t % num_m_blocks;
+    bn = t / num_m_blocks;  // b * N + n
+    n = bn % p.n, b = bn / p.n;
+    if (kCausal || (kRules && p.is_causal)) m_block = num_m_blocks - 1 - m_block;
+    kvh = n / (p.n / p.kh);  // GQA: kv head of query head n
+    m0 = m_block * kBlockM;
+    // Key tiles j_lo .. j_lo + n_blocks - 1 hold the keys this tile needs: all S, under causal
+    // up to its last row t (s <= t), under the rules their key range [keys.x, keys.y); with
+    // segment ids, n_blocks becomes the number of those visited (SegShared).
+    j_lo = 0;
+    n_blocks = ((kCausal ? min(s_len, min(t_len, m0 + kBlockM)) : s_len) + kBlockN - 1) / kBlockN;
+    if constexpr (kRules) {
+      keys = Rules(p, b).key_range(m0, kBlockM);
+      j_lo = keys.x / kBlockN;
+      n_blocks = keys.y > keys.x ? (keys.y + kBlockN - 1) / kBlockN - j_lo : 0;
+    }
+  };
+  set_tile(blockIdx.x);
   using Seg = typename Cfg::Seg;
   Seg& seg = *reinterpret_cast<Seg*>(smem + Cfg::kOffSeg);  // kRules only
   const int n_cand = n_blocks;  // candidate tiles; the visited ones are bits of seg.live
@@ -209,6 +223,7 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(bar_empty_k + 8 * s, kRules ? 256 : 8);
       mbar_init(bar_empty_v + 8 * s, 8);
     }
+    mbar_init(bar_q_empty, 8);
     mbar_fence_init();
   }
   __syncthreads();
@@ -263,42 +278,51 @@ __global__ void __launch_bounds__(384, 1)
     // rules kernel warp 0 also publishes each stage's tile (and ids: SegShared).
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (kRules ? warp == 0 : tid == 0) {
-      if (!segs && lane == 0) load_q();  // with segment ids it is on its way already
-      // Step it loads K of tile it, then V of tile it - 1: the consumers issue S of tile it
-      // with P V of tile it - 1. A K stage is free once both S GEMMs read it, long before the
-      // V stage beside it, which waits for the slower warpgroup's P V.
-      for (int it = 0, r = n_cand, j_prev = 0; it <= n_blocks; ++it) {
-        int j = 0;
-        if (it < n_blocks) {
-          r = segs ? seg.prev_live(r - 1) : r - 1;  // tiles last to first
-          j = j_lo + r;
-          const int s = it % kStages, n0 = j * kBlockN;
-          int v[4];
-          int2 kv = make_int2(0, 0);
-          if (segs) kv = load_ids(v, gKvSeg, n0, keys.x, min(n0 + kBlockN, keys.y), lane);
-          // Stage s last held K of tile it - kStages: wait until both consumers released it.
-          if (it >= kStages) mbar_wait(bar_empty_k + 8 * s, (it / kStages - 1) & 1);
-          if constexpr (kRules) {
-            if (segs) {
+      // kv_base: the K/V steps of the CTA's earlier tiles, with which the rings' stages and
+      // phases go on.
+      for (int t = blockIdx.x, k = 0, kv_base = 0; t < n_tiles;
+           t = kPersistent ? t + gridDim.x : n_tiles, ++k, kv_base += n_blocks) {
+        if (k > 0) {
+          set_tile(t);
+          mbar_wait(bar_q_empty, (k - 1) & 1);  // both warpgroups' last S of tile k - 1 is done
+        }
+        if (!segs && lane == 0) load_q();  // with segment ids it is on its way already
+        // Step it loads K of tile it, then V of tile it - 1: the consumers issue S of tile it
+        // with P V of tile it - 1. A K stage is free once both S GEMMs read it, long before
+        // the V stage beside it, which waits for the slower warpgroup's P V.
+        for (int it = 0, r = segs ? n_cand : n_blocks, j_prev = 0; it <= n_blocks; ++it) {
+          int j = 0;
+          if (it < n_blocks) {
+            r = segs ? seg.prev_live(r - 1) : r - 1;  // tiles last to first
+            j = j_lo + r;
+            const int q = kv_base + it, s = q % kStages, n0 = j * kBlockN;
+            int v[4];
+            int2 kv = make_int2(0, 0);
+            if (segs) kv = load_ids(v, gKvSeg, n0, keys.x, min(n0 + kBlockN, keys.y), lane);
+            // Stage s last held K of step q - kStages: wait until both consumers released it.
+            if (q >= kStages) mbar_wait(bar_empty_k + 8 * s, (q / kStages - 1) & 1);
+            if constexpr (kRules) {
+              if (segs) {
 #pragma unroll
-              for (int k = 0; k < 4; ++k) seg.kv_ids[s][lane + 32 * k] = v[k];
+                for (int i = 0; i < 4; ++i) seg.kv_ids[s][lane + 32 * i] = v[i];
+              }
+              if (lane == 0) {
+                seg.tile[s] = j;
+                seg.kv_lo[s] = kv.x;
+                seg.kv_hi[s] = kv.y;
+              }
             }
-            if (lane == 0) {
-              seg.tile[s] = j;
-              seg.kv_lo[s] = kv.x;
-              seg.kv_hi[s] = kv.y;
-            }
+            // each lane's arrival on full_k publishes its writes (the rules kernel's warp)
+            if (lane == 0) load_tile(&tma_k, sK, bar_k, s, j);
+            else mbar_arrive(bar_k + 8 * s);
           }
-          // each lane's arrival on full_k publishes its writes (the rules kernel's warp)
-          if (lane == 0) load_tile(&tma_k, sK, bar_k, s, j);
-          else mbar_arrive(bar_k + 8 * s);
+          if (it > 0) {
+            const int q = kv_base + it - 1, s = q % kStages;
+            if (q >= kStages) mbar_wait(bar_empty_v + 8 * s, (q / kStages - 1) & 1);
+            if (lane == 0) load_tile(&tma_v, sV, bar_v, s, j_prev);
+          }
+          j_prev = j;
         }
-        if (it > 0) {
-          const int s = (it - 1) % kStages;
-          if (it - 1 >= kStages) mbar_wait(bar_empty_v + 8 * s, ((it - 1) / kStages - 1) & 1);
-          if (lane == 0) load_tile(&tma_v, sV, bar_v, s, j_prev);
-        }
-        j_prev = j;
       }
     }
   } else {
@@ -310,248 +334,247 @@ __global__ void __launch_bounds__(384, 1)
     constexpr int kNO = kHeadDim / 2;  // O accumulator floats per thread: (64, H) / 128
     // Accumulator element 4 i + c sits at row g + 8 (c / 2), column 8 i + 2 tig + c % 2.
 
-    float acc_o[kNO];  // (64, H) fp32 per warpgroup
-#pragma unroll
-    for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY};  // log2-scaled logits, rows g and g + 8
-    float row_sum[2] = {0.f, 0.f};              // this lane's share; quad-summed at the end
-
-    // Segment ids: those of this thread's rows g, g + 8, and the warp's range over its rows
-    // t < q_len (rows past q_len see nothing by the rules, whatever their id).
-    int row_id[2] = {0, 0};
-    int2 warp_ids = make_int2(0, 0);
-    if (segs) {
-      const int q_len = Rules(p, b).q_len;
-      int lo = INT_MAX, hi = INT_MIN;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int t = m0 + wr + g + 8 * h;
-        if (t < q_len) {
-          row_id[h] = gQSeg[t];
-          lo = min(lo, row_id[h]);
-          hi = max(hi, row_id[h]);
-        }
-      }
-      warp_ids = make_int2(__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi));
-    }
-
     const uint32_t q_rows = sQ + 64 * cw * kRowBytes;  // this warpgroup's rows, column block 0
-    mbar_wait(bar_q, 0);
+    for (int t = blockIdx.x, k = 0, kv_base = 0; t < n_tiles;
+         t = kPersistent ? t + gridDim.x : n_tiles, ++k, kv_base += n_blocks) {
+      if (k > 0) set_tile(t);
+      float acc_o[kNO];  // (64, H) fp32 per warpgroup
+  #pragma unroll
+      for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
+      float row_max[2] = {-INFINITY, -INFINITY};  // log2-scaled logits, rows g and g + 8
+      float row_sum[2] = {0.f, 0.f};              // this lane's share; quad-summed at the end
 
-    // The steps of one key tile it (ring stage it % kStages): tile j = j_lo + n_blocks - 1 - it,
-    // in the rules kernel the stage's seg.tile.
-    // S = Q K^T: (64, kBlockN) per warpgroup, K = H in k16 steps; committed, not waited for.
-    auto issue_qk = [&](float (&acc_s)[kNS], int it) {
-      const uint32_t stage = (it % kStages) * Cfg::kKVBytes;
-      mbar_wait(bar_k + 8 * (it % kStages), (it / kStages) & 1);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint32_t col = (kk % 4) * 32;  // byte offset of k16 step kk inside a 128-byte row
-        const uint64_t a = sw128_desc(q_rows + (kk / 4) * kBlockM * kRowBytes + col, 16, 1024);
-        const uint64_t bk = sw128_desc(sK + stage + (kk / 4) * kBlockN * kRowBytes + col, 16, 1024);
-        Wgmma<kBlockN>::template ss<T>(acc_s, a, bk, kk > 0);
+      // Segment ids: those of this thread's rows g, g + 8, and the warp's range over its rows
+      // t < q_len (rows past q_len see nothing by the rules, whatever their id).
+      int row_id[2] = {0, 0};
+      int2 warp_ids = make_int2(0, 0);
+      if (segs) {
+        const int q_len = Rules(p, b).q_len;
+        int lo = INT_MAX, hi = INT_MIN;
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int t = m0 + wr + g + 8 * h;
+          if (t < q_len) {
+            row_id[h] = gQSeg[t];
+            lo = min(lo, row_id[h]);
+            hi = max(hi, row_id[h]);
+          }
+        }
+        warp_ids = make_int2(__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi));
       }
-      wgmma_commit();
-    };
-    // O += P V: K = kBlockN keys in k16 steps of 16 rows (2 swizzle atoms, 2048 bytes) of
-    // every column block; N = H, the column blocks LBO = kBlockN * 128 bytes apart.
-    auto issue_pv = [&](const uint32_t (&rP)[kBlockN / 16][4], int it) {
-      const uint32_t stage = (it % kStages) * Cfg::kKVBytes;
-      mbar_wait(bar_v + 8 * (it % kStages), (it / kStages) & 1);
-      fence_regs(acc_o);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t bv = sw128_desc(sV + stage + kk * 16 * kRowBytes, kBlockN * kRowBytes, 1024);
-        Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], bv, 1);
-      }
-      wgmma_commit();
-    };
-    // The GEMM that reads K (V) of tile it is complete (and in the rules kernel the softmax has
-    // read the stage's tile and ids): hand the stage back to the producer.
-    auto release_k = [&](int it) {
-      __syncwarp();
-      if (kRules || lane == 0) mbar_arrive(bar_empty_k + 8 * (it % kStages));
-    };
-    auto release_v = [&](int it) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty_v + 8 * (it % kStages));
-    };
-    // Online softmax of a completed S: keys >= S and under causal keys s > t (or what the
-    // rules hide) set to -inf, only on tiles that need it, then the new running max m of the
-    // log2-scaled logits, l rescaled and P = 2^(S * scale_log2 - m) in place, one FFMA and one
-    // exp2 per element (the FP32 and MUFU pipes, not the tensor cores, bound this step);
-    // corr = 2^(m_old - m_new) is left for O, which may still be accumulating the previous tile.
-    auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
-      const int n0 = (kRules ? seg.tile[it % kStages] : j_lo + n_blocks - 1 - it) * kBlockN;
-      if constexpr (kRules) {
-        // This warp's rows t = m0 + wr + row (row < 16) see key n0 + col iff row < q_rows,
-        // col < kv_limit and lo_d <= col - row <= hi_d; a tile all of whose elements pass
-        // skips the test.
-        const Rules r(p, b);
-        const int64_t diag = int64_t{m0 + wr} - n0 + r.shift;
-        const int q_rows = r.q_len - (m0 + wr), kv_limit = r.kv_len - n0;
-        if (q_rows < 16 || kv_limit < kBlockN || diag - r.wl > -15 || diag + r.hi < kBlockN - 1) {
-          const int lo_d = clamp_diag(diag - r.wl), hi_d = clamp_diag(diag + r.hi);
-#pragma unroll
+
+      mbar_wait(bar_q, k & 1);
+
+      // The steps of one key tile it (ring stage it % kStages): tile j = j_lo + n_blocks - 1 - it,
+      // in the rules kernel the stage's seg.tile.
+      // S = Q K^T: (64, kBlockN) per warpgroup, K = H in k16 steps; committed, not waited for.
+      auto issue_qk = [&](float (&acc_s)[kNS], int it) {
+        const int q = kv_base + it;
+        const uint32_t stage = (q % kStages) * Cfg::kKVBytes;
+        mbar_wait(bar_k + 8 * (q % kStages), (q / kStages) & 1);
+        wgmma_fence();
+  #pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          const uint32_t col = (kk % 4) * 32;  // byte offset of k16 step kk inside a 128-byte row
+          const uint64_t a = sw128_desc(q_rows + (kk / 4) * kBlockM * kRowBytes + col, 16, 1024);
+          const uint64_t bk = sw128_desc(sK + stage + (kk / 4) * kBlockN * kRowBytes + col, 16, 1024);
+          Wgmma<kBlockN>::template ss<T>(acc_s, a, bk, kk > 0);
+        }
+        wgmma_commit();
+      };
+      // O += P V: K = kBlockN keys in k16 steps of 16 rows (2 swizzle atoms, 2048 bytes) of
+      // every column block; N = H, the column blocks LBO = kBlockN * 128 bytes apart.
+      auto issue_pv = [&](const uint32_t (&rP)[kBlockN / 16][4], int it) {
+        const int q = kv_base + it;
+        const uint32_t stage = (q % kStages) * Cfg::kKVBytes;
+        mbar_wait(bar_v + 8 * (q % kStages), (q / kStages) & 1);
+        fence_regs(acc_o);
+        wgmma_fence();
+  #pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          const uint64_t bv = sw128_desc(sV + stage + kk * 16 * kRowBytes, kBlockN * kRowBytes, 1024);
+          Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], bv, 1);
+        }
+        wgmma_commit();
+      };
+      // The GEMM that reads K (V) of tile it is complete (and in the rules kernel the softmax has
+      // read the stage's tile and ids): hand the stage back to the producer.
+      // With the last tile's S, sQ is read too: the producer may load the next tile's Q.
+      auto release_k = [&](int it) {
+        __syncwarp();
+        if (kRules || lane == 0) mbar_arrive(bar_empty_k + 8 * ((kv_base + it) % kStages));
+        if (it == n_blocks - 1 && lane == 0) mbar_arrive(bar_q_empty);
+      };
+      auto release_v = [&](int it) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_empty_v + 8 * ((kv_base + it) % kStages));
+      };
+      // Online softmax of a completed S: keys >= S and under causal keys s > t (or what the
+      // rules hide) set to -inf, only on tiles that need it, then the new running max m of the
+      // log2-scaled logits, l rescaled and P = 2^(S * scale_log2 - m) in place, one FFMA and one
+      // exp2 per element (the FP32 and MUFU pipes, not the tensor cores, bound this step);
+      // corr = 2^(m_old - m_new) is left for O, which may still be accumulating the previous tile.
+      auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
+        const int n0 = (kRules ? seg.tile[(kv_base + it) % kStages] : j_lo + n_blocks - 1 - it) *
+                       kBlockN;
+        if constexpr (kRules) {
+          // This warp's rows t = m0 + wr + row (row < 16) see key n0 + col iff row < q_rows,
+          // col < kv_limit and lo_d <= col - row <= hi_d; a tile all of whose elements pass
+          // skips the test.
+          const Rules r(p, b);
+          const int64_t diag = int64_t{m0 + wr} - n0 + r.shift;
+          const int q_rows = r.q_len - (m0 + wr), kv_limit = r.kv_len - n0;
+          if (q_rows < 16 || kv_limit < kBlockN || diag - r.wl > -15 || diag + r.hi < kBlockN - 1) {
+            const int lo_d = clamp_diag(diag - r.wl), hi_d = clamp_diag(diag + r.hi);
+  #pragma unroll
+            for (int i = 0; i < kNS / 4; ++i)
+  #pragma unroll
+              for (int c = 0; c < 4; ++c) {
+                const int col = 8 * i + 2 * tig + c % 2, row = g + 8 * (c / 2);
+                if (row >= q_rows || col >= kv_limit || col - row < lo_d || col - row > hi_d)
+                  acc_s[4 * i + c] = -INFINITY;
+              }
+          }
+          // Segment ids: unless the warp's rows and the tile's keys (in the CTA's key range; the
+          // rules hide the others) all carry one id, key col is hidden where its id differs.
+          const int s = (kv_base + it) % kStages;
+          if (segs && !(seg.kv_lo[s] == warp_ids.y && seg.kv_hi[s] == warp_ids.x)) {
+  #pragma unroll
+            for (int i = 0; i < kNS / 4; ++i) {
+              const int2 kv = *reinterpret_cast<const int2*>(&seg.kv_ids[s][8 * i + 2 * tig]);
+  #pragma unroll
+              for (int c = 0; c < 4; ++c)
+                if ((c % 2 ? kv.y : kv.x) != row_id[c / 2]) acc_s[4 * i + c] = -INFINITY;
+            }
+          }
+        } else if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
+          const int kv_limit = s_len - n0;  // tile-relative key bound
+          const int diag = m0 + wr - n0;    // column col is hidden from warp row r when col - r > diag
+  #pragma unroll
           for (int i = 0; i < kNS / 4; ++i)
-#pragma unroll
+  #pragma unroll
             for (int c = 0; c < 4; ++c) {
               const int col = 8 * i + 2 * tig + c % 2, row = g + 8 * (c / 2);
-              if (row >= q_rows || col >= kv_limit || col - row < lo_d || col - row > hi_d)
-                acc_s[4 * i + c] = -INFINITY;
+              if (col >= kv_limit || (kCausal && col - row > diag)) acc_s[4 * i + c] = -INFINITY;
             }
         }
-        // Segment ids: unless the warp's rows and the tile's keys (in the CTA's key range; the
-        // rules hide the others) all carry one id, key col is hidden where its id differs.
-        const int s = it % kStages;
-        if (segs && !(seg.kv_lo[s] == warp_ids.y && seg.kv_hi[s] == warp_ids.x)) {
-#pragma unroll
-          for (int i = 0; i < kNS / 4; ++i) {
-            const int2 kv = *reinterpret_cast<const int2*>(&seg.kv_ids[s][8 * i + 2 * tig]);
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-              if ((c % 2 ? kv.y : kv.x) != row_id[c / 2]) acc_s[4 * i + c] = -INFINITY;
-          }
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = -INFINITY;  // of the raw logits: the scale is positive
+  #pragma unroll
+          for (int i = 0; i < kNS / 4; ++i)
+            mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
+          mx = fmaxf(row_max[h], quad_max(mx) * p.scale_log2);
+          // A row with no visible key so far keeps m = -inf; subtracting 0 then gives P = 0.
+          const float m_use = mx == -INFINITY ? 0.f : mx;
+          corr[h] = exp2_approx(row_max[h] - m_use);
+          row_max[h] = mx;
+          row_sum[h] *= corr[h];
+  #pragma unroll
+          for (int i = 0; i < kNS / 4; ++i)
+  #pragma unroll
+            for (int c = 2 * h; c < 2 * h + 2; ++c) {
+              acc_s[4 * i + c] = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -m_use));
+              row_sum[h] += acc_s[4 * i + c];
+            }
         }
-      } else if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
-        const int kv_limit = s_len - n0;  // tile-relative key bound
-        const int diag = m0 + wr - n0;    // column col is hidden from warp row r when col - r > diag
-#pragma unroll
-        for (int i = 0; i < kNS / 4; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int col = 8 * i + 2 * tig + c % 2, row = g + 8 * (c / 2);
-            if (col >= kv_limit || (kCausal && col - row > diag)) acc_s[4 * i + c] = -INFINITY;
-          }
+      };
+      auto rescale_o = [&](const float (&corr)[2]) {
+  #pragma unroll
+        for (int i = 0; i < kNO / 4; ++i)
+  #pragma unroll
+          for (int c = 0; c < 4; ++c) acc_o[4 * i + c] *= corr[c / 2];
+      };
+      // P as wgmma A fragments: per warp the m16k16 layout of mma.sync, so k16 step kk is
+      // accumulator columns 16 kk .. 16 kk + 15, i.e. elements 8 kk .. 8 kk + 7.
+      auto convert_p = [&](const float (&acc_s)[kNS], uint32_t (&rP)[kBlockN / 16][4]) {
+  #pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          rP[kk][0] = pack2<T>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);  // row g,     k 2tig
+          rP[kk][1] = pack2<T>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);  // row g + 8, k 2tig
+          rP[kk][2] = pack2<T>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);  // row g,     k 8 + 2tig
+          rP[kk][3] = pack2<T>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);  // row g + 8, k 8 + 2tig
+        }
+      };
+
+      // Ping-pong (FA3): the two consumer warpgroups take turns issuing their GEMMs, so that
+      // one's softmax runs while the other's GEMMs hold the tensor cores. Warpgroup cw waits on
+      // barrier 3 + cw before a round of issues and then arrives on the other's. The rounds are
+      // the prologue's S, the loop's S + P V pairs and the last P V: n_blocks + 1 per warpgroup.
+      // Warpgroup 0 goes first: warpgroup 1 opens its barrier for the CTA's first tile; its
+      // last arrival of a tile opens warpgroup 0's first round of the next (which then
+      // overlaps warpgroup 1's epilogue), and is skipped after the CTA's last tile, where
+      // nobody would wait for it.
+      const bool last_tile = !kPersistent || t + static_cast<int>(gridDim.x) >= n_tiles;
+      int rounds_left = n_blocks + 1;
+      auto turn_begin = [&] { named_barrier_sync(3 + cw, 256); };
+      auto turn_end = [&] {
+        if (cw == 0 || --rounds_left > 0 || !last_tile) named_barrier_arrive(3 + (cw ^ 1), 256);
+      };
+      if (cw == 1 && k == 0 && n_blocks > 0) named_barrier_arrive(3, 256);
+
+      // Intra-warpgroup overlap (FA3): S of tile it and P V of tile it - 1 are in flight
+      // together; the softmax of tile it runs while P V still does, and only the O rescale
+      // waits for it.
+      uint32_t rP[kBlockN / 16][4];  // P of the previous tile, read by its in-flight P V
+      if (n_blocks > 0) {
+        float acc_s[kNS], corr[2];
+        turn_begin();
+        issue_qk(acc_s, 0);
+        turn_end();
+        wgmma_wait<0>();
+        fence_regs(acc_s);
+        if (!kRules) release_k(0);
+        softmax(acc_s, 0, corr);  // O is still 0: no rescale
+        if (kRules) release_k(0);
+        convert_p(acc_s, rP);
       }
-#pragma unroll
+      for (int it = 1; it < n_blocks; ++it) {
+        float acc_s[kNS], corr[2];
+        turn_begin();
+        issue_qk(acc_s, it);
+        issue_pv(rP, it - 1);
+        turn_end();
+        wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
+        fence_regs(acc_s);
+        if (!kRules) release_k(it);
+        softmax(acc_s, it, corr);
+        if (kRules) release_k(it);
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+        release_v(it - 1);
+        rescale_o(corr);
+        convert_p(acc_s, rP);
+      }
+      if (n_blocks > 0) {
+        turn_begin();
+        issue_pv(rP, n_blocks - 1);
+        turn_end();
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+        release_v(n_blocks - 1);
+      }
+
+      // Epilogue: O = acc / l, lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0 and
+      // lse = -inf. O goes from the registers straight to global memory (8 rows x 16 bytes a
+      // warp store; the L2 merges the sectors): sQ may already hold the next tile's Q.
+      T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
+      float* gLse = p.lse + bn * p.t;
+  #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = -INFINITY;  // of the raw logits: the scale is positive
-#pragma unroll
-        for (int i = 0; i < kNS / 4; ++i)
-          mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
-        mx = fmaxf(row_max[h], quad_max(mx) * p.scale_log2);
-        // A row with no visible key so far keeps m = -inf; subtracting 0 then gives P = 0.
-        const float m_use = mx == -INFINITY ? 0.f : mx;
-        corr[h] = exp2_approx(row_max[h] - m_use);
-        row_max[h] = mx;
-        row_sum[h] *= corr[h];
-#pragma unroll
-        for (int i = 0; i < kNS / 4; ++i)
-#pragma unroll
-          for (int c = 2 * h; c < 2 * h + 2; ++c) {
-            acc_s[4 * i + c] = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -m_use));
-            row_sum[h] += acc_s[4 * i + c];
-          }
+        const float l = quad_sum(row_sum[h]);
+        const float inv = l == 0.f ? 0.f : 1.f / l;
+        const int row = m0 + wr + g + 8 * h;
+        if (row < t_len) {
+          T* o_row = gO + static_cast<int64_t>(row) * p.o_row_stride + 2 * tig;
+  #pragma unroll
+          for (int i = 0; i < kNO / 4; ++i)
+            *reinterpret_cast<uint32_t*>(o_row + 8 * i) =
+                pack2<T>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+          if (tig == 0)
+            gLse[row] = l == 0.f ? -INFINITY : (row_max[h] + log2f(l)) * 0.6931471805599453f;
+        }
       }
-    };
-    auto rescale_o = [&](const float (&corr)[2]) {
-#pragma unroll
-      for (int i = 0; i < kNO / 4; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc_o[4 * i + c] *= corr[c / 2];
-    };
-    // P as wgmma A fragments: per warp the m16k16 layout of mma.sync, so k16 step kk is
-    // accumulator columns 16 kk .. 16 kk + 15, i.e. elements 8 kk .. 8 kk + 7.
-    auto convert_p = [&](const float (&acc_s)[kNS], uint32_t (&rP)[kBlockN / 16][4]) {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        rP[kk][0] = pack2<T>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);  // row g,     k 2tig
-        rP[kk][1] = pack2<T>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);  // row g + 8, k 2tig
-        rP[kk][2] = pack2<T>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);  // row g,     k 8 + 2tig
-        rP[kk][3] = pack2<T>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);  // row g + 8, k 8 + 2tig
-      }
-    };
-
-    // Ping-pong (FA3): the two consumer warpgroups take turns issuing their GEMMs, so that
-    // one's softmax runs while the other's GEMMs hold the tensor cores. Warpgroup cw waits on
-    // barrier 3 + cw before a round of issues and then arrives on the other's. The rounds are
-    // the prologue's S, the loop's S + P V pairs and the last P V: n_blocks + 1 per warpgroup.
-    // Warpgroup 0 goes first: warpgroup 1 opens its barrier, and skips its last arrival,
-    // which nobody would wait for.
-    int rounds_left = n_blocks + 1;
-    auto turn_begin = [&] { named_barrier_sync(3 + cw, 256); };
-    auto turn_end = [&] {
-      if (cw == 0 || --rounds_left > 0) named_barrier_arrive(3 + (cw ^ 1), 256);
-    };
-    if (cw == 1 && n_blocks > 0) named_barrier_arrive(3, 256);
-
-    // Intra-warpgroup overlap (FA3): S of tile it and P V of tile it - 1 are in flight
-    // together; the softmax of tile it runs while P V still does, and only the O rescale
-    // waits for it.
-    uint32_t rP[kBlockN / 16][4];  // P of the previous tile, read by its in-flight P V
-    if (n_blocks > 0) {
-      float acc_s[kNS], corr[2];
-      turn_begin();
-      issue_qk(acc_s, 0);
-      turn_end();
-      wgmma_wait<0>();
-      fence_regs(acc_s);
-      if (!kRules) release_k(0);
-      softmax(acc_s, 0, corr);  // O is still 0: no rescale
-      if (kRules) release_k(0);
-      convert_p(acc_s, rP);
-    }
-    for (int it = 1; it < n_blocks; ++it) {
-      float acc_s[kNS], corr[2];
-      turn_begin();
-      issue_qk(acc_s, it);
-      issue_pv(rP, it - 1);
-      turn_end();
-      wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
-      fence_regs(acc_s);
-      if (!kRules) release_k(it);
-      softmax(acc_s, it, corr);
-      if (kRules) release_k(it);
-      wgmma_wait<0>();
-      fence_regs(acc_o);
-      release_v(it - 1);
-      rescale_o(corr);
-      convert_p(acc_s, rP);
-    }
-    if (n_blocks > 0) {
-      turn_begin();
-      issue_pv(rP, n_blocks - 1);
-      turn_end();
-      wgmma_wait<0>();
-      fence_regs(acc_o);
-      release_v(n_blocks - 1);
-    }
-
-    // Epilogue: O = acc / l, lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0 and
-    // lse = -inf. O is staged in this warp's own rows of sQ (same swizzle) for 16-byte stores;
-    // the barrier makes sure no wgmma of the warpgroup still reads sQ.
-    named_barrier_sync(1 + cw, 128);
-    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
-    float* gLse = p.lse + bn * p.t;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float l = quad_sum(row_sum[h]);
-      const float inv = l == 0.f ? 0.f : 1.f / l;
-      const int row = wr + g + 8 * h;
-#pragma unroll
-      for (int i = 0; i < kNO / 4; ++i) {
-        const int chunk = i % 8;  // 16-byte chunk of column 8 i within its column block
-        const uint32_t off = (i / 8) * kBlockM * kRowBytes + row * kRowBytes +
-                             ((chunk ^ (row % 8)) * 16) + tig * 4;
-        *reinterpret_cast<uint32_t*>(smem + Cfg::kOffQ + off) =
-            pack2<T>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
-      }
-      if (tig == 0 && m0 + row < t_len)
-        gLse[m0 + row] = l == 0.f ? -INFINITY : (row_max[h] + log2f(l)) * 0.6931471805599453f;
-    }
-    __syncwarp();
-    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-#pragma unroll
-    for (int k = 0; k < 16 * kChunks / 32; ++k) {
-      const int idx = k * 32 + lane;
-      const int row = wr + idx / kChunks, c = idx % kChunks;
-      const uint32_t off = (c / 8) * kBlockM * kRowBytes + row * kRowBytes + (((c % 8) ^ (row % 8)) * 16);
-      if (m0 + row < t_len)
-        *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(m0 + row) * p.o_row_stride + c * 8) =
-            *reinterpret_cast<const uint4*>(smem + Cfg::kOffQ + off);
     }
   }
 #else
@@ -571,15 +594,16 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
                       p.v_batch_stride, Cfg::kBlockN))
     return false;
   const int64_t num_m_blocks = (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  const int64_t grid = num_m_blocks * p.n * p.b;  // < 2^31 for anything that fits in memory
-  if (grid == 0) return true;
+  const int64_t n_tiles = num_m_blocks * p.n * p.b;  // < 2^31 for anything that fits in memory
+  if (n_tiles == 0) return true;
+  const int64_t grid = Cfg::kPersistent ? std::min<int64_t>(n_tiles, sm_count()) : n_tiles;
   auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules>;
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) != cudaSuccess)
     return true;
   kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-      p, tma_q, tma_k, tma_v, static_cast<int>(num_m_blocks));
+      p, tma_q, tma_k, tma_v, static_cast<int>(num_m_blocks), static_cast<int>(n_tiles));
   return true;
 }
 
