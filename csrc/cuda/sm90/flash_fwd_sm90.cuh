@@ -108,8 +108,9 @@ __device__ __forceinline__ int2 load_ids(int (&v)[4], const int32_t* ids, int ba
 template <typename T, int kHeadDim, bool kCausal, bool kRules>
 struct FwdCfgSm90 {
   static constexpr bool kMasked = kCausal || kRules;
-  // The plain kernel's tiles are alike: a persistent grid, one CTA per SM (see the kernel).
-  static constexpr bool kPersistent = !kMasked;
+  // The plain kernel's tiles are alike: a persistent grid, one CTA per SM (see the kernel), at
+  // H = 64. At H = 128 it measured slower (4k: 579 -> 554 TFLOP/s, 16k: 639 -> 601).
+  static constexpr bool kPersistent = !kMasked && kHeadDim == 64;
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
   static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked>::kBlockN;
   static constexpr int kStages = 2;
@@ -174,9 +175,9 @@ __global__ void __launch_bounds__(384, 1)
 
   // Tile t enumerates (b, n, m_block), m_block fastest (the query tiles of one head share its
   // K/V in L2); causal runs the longest rows first. A CTA runs tiles blockIdx.x, + gridDim.x,
-  // ...: one each (causal, the rules: the hardware balances their unequal tiles) or, for the
-  // plain kernel, a persistent grid of one CTA per SM, whose producer loads the next tile's Q
-  // and K while the consumers finish the last one. Rows are int (T, S < 2^30).
+  // ...: one each, or (kPersistent) on a grid of one CTA per SM, whose producer loads the next
+  // tile's Q and K while the consumers finish the last one; unequal tiles (causal, the rules)
+  // are left to the hardware's scheduling. Rows are int (T, S < 2^30).
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
   int64_t bn, n, b, kvh;
   int m0, j_lo, n_blocks;
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(384, 1)
          t = kPersistent ? t + gridDim.x : n_tiles, ++k, kv_base += n_blocks) {
       if (k > 0) set_tile(t);
       float acc_o[kNO];  // (64, H) fp32 per warpgroup
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
       float row_max[2] = {-INFINITY, -INFINITY};  // log2-scaled logits, rows g and g + 8
       float row_sum[2] = {0.f, 0.f};              // this lane's share; quad-summed at the end
@@ -351,7 +352,7 @@ __global__ void __launch_bounds__(384, 1)
       if (segs) {
         const int q_len = Rules(p, b).q_len;
         int lo = INT_MAX, hi = INT_MIN;
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int t = m0 + wr + g + 8 * h;
           if (t < q_len) {
@@ -373,7 +374,7 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t stage = (q % kStages) * Cfg::kKVBytes;
         mbar_wait(bar_k + 8 * (q % kStages), (q / kStages) & 1);
         wgmma_fence();
-  #pragma unroll
+#pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           const uint32_t col = (kk % 4) * 32;  // byte offset of k16 step kk inside a 128-byte row
           const uint64_t a = sw128_desc(q_rows + (kk / 4) * kBlockM * kRowBytes + col, 16, 1024);
@@ -390,7 +391,7 @@ __global__ void __launch_bounds__(384, 1)
         mbar_wait(bar_v + 8 * (q % kStages), (q / kStages) & 1);
         fence_regs(acc_o);
         wgmma_fence();
-  #pragma unroll
+#pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
           const uint64_t bv = sw128_desc(sV + stage + kk * 16 * kRowBytes, kBlockN * kRowBytes, 1024);
           Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], bv, 1);
@@ -426,9 +427,9 @@ __global__ void __launch_bounds__(384, 1)
           const int q_rows = r.q_len - (m0 + wr), kv_limit = r.kv_len - n0;
           if (q_rows < 16 || kv_limit < kBlockN || diag - r.wl > -15 || diag + r.hi < kBlockN - 1) {
             const int lo_d = clamp_diag(diag - r.wl), hi_d = clamp_diag(diag + r.hi);
-  #pragma unroll
+#pragma unroll
             for (int i = 0; i < kNS / 4; ++i)
-  #pragma unroll
+#pragma unroll
               for (int c = 0; c < 4; ++c) {
                 const int col = 8 * i + 2 * tig + c % 2, row = g + 8 * (c / 2);
                 if (row >= q_rows || col >= kv_limit || col - row < lo_d || col - row > hi_d)
@@ -439,10 +440,10 @@ __global__ void __launch_bounds__(384, 1)
           // rules hide the others) all carry one id, key col is hidden where its id differs.
           const int s = (kv_base + it) % kStages;
           if (segs && !(seg.kv_lo[s] == warp_ids.y && seg.kv_hi[s] == warp_ids.x)) {
-  #pragma unroll
+#pragma unroll
             for (int i = 0; i < kNS / 4; ++i) {
               const int2 kv = *reinterpret_cast<const int2*>(&seg.kv_ids[s][8 * i + 2 * tig]);
-  #pragma unroll
+#pragma unroll
               for (int c = 0; c < 4; ++c)
                 if ((c % 2 ? kv.y : kv.x) != row_id[c / 2]) acc_s[4 * i + c] = -INFINITY;
             }
@@ -450,18 +451,18 @@ __global__ void __launch_bounds__(384, 1)
         } else if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
           const int kv_limit = s_len - n0;  // tile-relative key bound
           const int diag = m0 + wr - n0;    // column col is hidden from warp row r when col - r > diag
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < kNS / 4; ++i)
-  #pragma unroll
+#pragma unroll
             for (int c = 0; c < 4; ++c) {
               const int col = 8 * i + 2 * tig + c % 2, row = g + 8 * (c / 2);
               if (col >= kv_limit || (kCausal && col - row > diag)) acc_s[4 * i + c] = -INFINITY;
             }
         }
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
           float mx = -INFINITY;  // of the raw logits: the scale is positive
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < kNS / 4; ++i)
             mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
           mx = fmaxf(row_max[h], quad_max(mx) * p.scale_log2);
@@ -470,9 +471,9 @@ __global__ void __launch_bounds__(384, 1)
           corr[h] = exp2_approx(row_max[h] - m_use);
           row_max[h] = mx;
           row_sum[h] *= corr[h];
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < kNS / 4; ++i)
-  #pragma unroll
+#pragma unroll
             for (int c = 2 * h; c < 2 * h + 2; ++c) {
               acc_s[4 * i + c] = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -m_use));
               row_sum[h] += acc_s[4 * i + c];
@@ -480,15 +481,15 @@ __global__ void __launch_bounds__(384, 1)
         }
       };
       auto rescale_o = [&](const float (&corr)[2]) {
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < kNO / 4; ++i)
-  #pragma unroll
+#pragma unroll
           for (int c = 0; c < 4; ++c) acc_o[4 * i + c] *= corr[c / 2];
       };
       // P as wgmma A fragments: per warp the m16k16 layout of mma.sync, so k16 step kk is
       // accumulator columns 16 kk .. 16 kk + 15, i.e. elements 8 kk .. 8 kk + 7.
       auto convert_p = [&](const float (&acc_s)[kNS], uint32_t (&rP)[kBlockN / 16][4]) {
-  #pragma unroll
+#pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
           rP[kk][0] = pack2<T>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);  // row g,     k 2tig
           rP[kk][1] = pack2<T>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);  // row g + 8, k 2tig
@@ -556,23 +557,47 @@ __global__ void __launch_bounds__(384, 1)
       }
 
       // Epilogue: O = acc / l, lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0 and
-      // lse = -inf. O goes from the registers straight to global memory (8 rows x 16 bytes a
-      // warp store; the L2 merges the sectors): sQ may already hold the next tile's Q.
+      // lse = -inf. One tile a CTA: O is staged in this warp's own rows of sQ (same swizzle)
+      // for 16-byte stores, once no wgmma of the warpgroup still reads sQ. Persistent: sQ may
+      // hold the next tile's Q already, so O goes from the registers straight to global
+      // memory (8 rows x 16 bytes a warp store; the L2 merges the sectors).
       T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
       float* gLse = p.lse + bn * p.t;
-  #pragma unroll
+      if constexpr (!kPersistent) named_barrier_sync(1 + cw, 128);
+#pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(row_sum[h]);
         const float inv = l == 0.f ? 0.f : 1.f / l;
-        const int row = m0 + wr + g + 8 * h;
-        if (row < t_len) {
-          T* o_row = gO + static_cast<int64_t>(row) * p.o_row_stride + 2 * tig;
-  #pragma unroll
-          for (int i = 0; i < kNO / 4; ++i)
-            *reinterpret_cast<uint32_t*>(o_row + 8 * i) =
-                pack2<T>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
-          if (tig == 0)
-            gLse[row] = l == 0.f ? -INFINITY : (row_max[h] + log2f(l)) * 0.6931471805599453f;
+        const int row = wr + g + 8 * h;
+#pragma unroll
+        for (int i = 0; i < kNO / 4; ++i) {
+          const uint32_t o2 = pack2<T>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+          if constexpr (kPersistent) {
+            if (m0 + row < t_len)
+              *reinterpret_cast<uint32_t*>(gO + static_cast<int64_t>(m0 + row) * p.o_row_stride +
+                                           8 * i + 2 * tig) = o2;
+          } else {
+            const int chunk = i % 8;  // 16-byte chunk of column 8 i within its column block
+            const uint32_t off = (i / 8) * kBlockM * kRowBytes + row * kRowBytes +
+                                 ((chunk ^ (row % 8)) * 16) + tig * 4;
+            *reinterpret_cast<uint32_t*>(smem + Cfg::kOffQ + off) = o2;
+          }
+        }
+        if (tig == 0 && m0 + row < t_len)
+          gLse[m0 + row] = l == 0.f ? -INFINITY : (row_max[h] + log2f(l)) * 0.6931471805599453f;
+      }
+      if constexpr (!kPersistent) {
+        __syncwarp();
+        constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+#pragma unroll
+        for (int c16 = 0; c16 < 16 * kChunks / 32; ++c16) {
+          const int idx = c16 * 32 + lane;
+          const int row = wr + idx / kChunks, c = idx % kChunks;
+          const uint32_t off =
+              (c / 8) * kBlockM * kRowBytes + row * kRowBytes + (((c % 8) ^ (row % 8)) * 16);
+          if (m0 + row < t_len)
+            *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(m0 + row) * p.o_row_stride + c * 8) =
+                *reinterpret_cast<const uint4*>(smem + Cfg::kOffQ + off);
         }
       }
     }
