@@ -13,6 +13,9 @@
 //     while the softmax of j + 1 runs.
 // Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
 // causal diagonal) come first; masking is skipped on every other tile.
+// The plain kernel at H = 64 is persistent: one CTA per SM walks the query tiles (kPersistent);
+// the rings' stages and phases run on across tiles, and the next tile's Q loads once both
+// warpgroups' last S GEMMs have read sQ.
 //
 // Variants: a second instantiation, kRules, runs the rules that only hide whole regions of
 // keys: lengths, window, causal alignment (Rules) and segment ids (SegShared). It visits only
@@ -109,7 +112,8 @@ template <typename T, int kHeadDim, bool kCausal, bool kRules>
 struct FwdCfgSm90 {
   static constexpr bool kMasked = kCausal || kRules;
   // The plain kernel's tiles are alike: a persistent grid, one CTA per SM (see the kernel), at
-  // H = 64. At H = 128 it measured slower (4k: 579 -> 554 TFLOP/s, 16k: 639 -> 601).
+  // H = 64. At H = 128 it measured slower (4k: 579 -> 554 TFLOP/s, 16k: 639 -> 601; with O
+  // staged through sQ and the next Q loaded after it, slower still: NOTES.md).
   static constexpr bool kPersistent = !kMasked && kHeadDim == 64;
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
   static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked>::kBlockN;
