@@ -261,16 +261,22 @@ __global__ void __launch_bounds__(384, 1)
         // Rows past T (their Q, dO are TMA's zeros), past q_len or with no visible key
         // (lse -inf): lse = +inf gives P = 0 there.
         const int64_t row0 = (b * p.n + n) * p.t;
+        int id_lo = INT_MAX, id_hi = INT_MIN;  // the range of the step's ids, as q_tile_ids
         for (int r = lane; r < kBlockM; r += 32) {
           const bool valid = m0 + r < q_end;
           const float lse = valid ? p.lse[row0 + m0 + r] : -INFINITY;
           sLse[s * kBlockM + r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
           sDelta[s * kBlockM + r] = valid ? p.delta[row0 + m0 + r] : 0.f;
-          if (seg) seg->q_ids[s][r] = valid ? q_ids[m0 + r] : 0;
+          if (seg) {
+            const int id = valid ? q_ids[m0 + r] : 0;
+            seg->q_ids[s][r] = id;
+            if (valid) id_lo = min(id_lo, id), id_hi = max(id_hi, id);
+          }
         }
         if (seg) {
-          const int2 qr = q_tile_ids(m0);
-          if (lane == 0) seg->q_lo[s] = qr.x, seg->q_hi[s] = qr.y;
+          id_lo = __reduce_min_sync(0xffffffffu, id_lo);
+          id_hi = __reduce_max_sync(0xffffffffu, id_hi);
+          if (lane == 0) seg->q_lo[s] = id_lo, seg->q_hi[s] = id_hi;
         }
         const uint32_t full = bar_full + 8 * s;
         if (lane == 0) {

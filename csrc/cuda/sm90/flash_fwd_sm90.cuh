@@ -230,14 +230,14 @@ __global__ void __launch_bounds__(384, 1)
     }
     mbar_init(bar_q_empty, 8);
     mbar_fence_init();
+    tma_prefetch_desc(&tma_q);
+    tma_prefetch_desc(&tma_k);
+    tma_prefetch_desc(&tma_v);
   }
   __syncthreads();
 
   // TMA box coordinates, innermost first: (column, head, row, batch).
   auto load_q = [&] {
-    tma_prefetch_desc(&tma_q);
-    tma_prefetch_desc(&tma_k);
-    tma_prefetch_desc(&tma_v);
     const int ci_n = static_cast<int>(n), ci_b = static_cast<int>(b);
     mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
 #pragma unroll
