@@ -309,13 +309,19 @@ inline ffi::Error make_bwd_params(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
   if (auto e = shape4("dv", dv.dimensions(), sdv); e.failure()) return e;
   if (!same(sdo, so) || !same(sdq, sq) || !same(sdk, sk) || !same(sdv, sv))
     return invalid("dout/dq/dk/dv shapes must match o/q/k/v");
-  for (auto t : {dout.element_type(), dq.element_type(), dk.element_type(), dv.element_type()})
-    if (t != q.element_type()) return invalid("dout, dq, dk, dv must have q's dtype");
+  if (dout.element_type() != q.element_type()) return invalid("dout must have q's dtype");
+  // The gradients come in q's dtype, or all in float32 for a caller that sums them further.
+  const ffi::DataType grads = dq.element_type();
+  if (grads != q.element_type() && grads != ffi::DataType::F32)
+    return invalid("dq, dk, dv must have q's dtype or be float32");
+  if (dk.element_type() != grads || dv.element_type() != grads)
+    return invalid("dq, dk, dv must share one dtype");
   if (dlse.element_type() != ffi::DataType::F32 || dlse.element_count() != lse.element_count())
     return invalid("dlse must be float32 with lse's shape");
 
   p.dout = dout.untyped_data();
   p.dlse = static_cast<const float*>(dlse.untyped_data());
+  p.grads_f32 = grads != q.element_type();
   p.dq = dq.untyped_data();
   p.dk = dk.untyped_data();
   p.dv = dv.untyped_data();

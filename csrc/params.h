@@ -74,14 +74,16 @@ struct FwdParams {
 struct BwdParams : FwdParams {
   const void* dout;   // (B, T, N, Hv)
   const float* dlse;  // (B, N, T): cotangent of lse (zeros when lse is not an output)
-  void* dq;           // (B, T, N, H)
-  void* dk;           // (B, S, K, H)
-  void* dv;           // (B, S, K, Hv)
+  void* dq;           // (B, T, N, H), q's dtype or float32 (grads_f32)
+  void* dk;           // (B, S, K, H), likewise
+  void* dv;           // (B, S, K, Hv), likewise
   float* delta;       // (B, N, T) workspace: rowsum(dout * o) - dlse
   float* dq_accum;    // (B, T, N, H) fp32 workspace where a kernel accumulates dq; may be null
   void* dbias = nullptr;         // bias's shape, dense, dtype of q: dlogits summed over broadcast dims
   float* dalibi = nullptr;       // (B, N): gradient of alibi_slopes
   bool deterministic = false;    // bit-identical backward across runs (the CPU kernel always is)
+  bool grads_f32 = false;        // dq, dk, dv are float32, not q's dtype: for callers that sum
+                                 // them further (ring attention adds one per ring step)
   // fp32/int32 workspaces of the CUDA variant backward (launch.h sizes them); null when unused.
   float* dbias_accum = nullptr;  // bias's shape: dbias summed over the CTAs that share an element
   float* dalibi_accum = nullptr; // (B, N, key tiles): dalibi of each key tile, summed in order

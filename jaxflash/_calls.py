@@ -121,16 +121,19 @@ def fwd(q, k, v, variants=None, *, scale: float, is_causal: bool, platform: str,
 
 def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal: bool,
         platform: str, window=None, bottom_right=False, softcap=None, dropout_rate=0.0,
-        deterministic=False, check=True, out_f32=None):
-  """Returns dq, dk, dv with the shapes and dtypes of q, k, v; and, when `variants` is given,
-  also dbias (bias's shape, or None) and dalibi (alibi_slopes' shape, or None).
+        deterministic=False, check=True, out_f32=None, grads_f32=False):
+  """Returns dq, dk, dv with the shapes and dtypes of q, k, v (float32 when grads_f32); and,
+  when `variants` is given, also dbias (bias's shape, or None) and dalibi (alibi_slopes'
+  shape, or None).
 
   out_f32: fwd's out_f32 (keep_f32), or None; delta then comes from it instead of out.
+  grads_f32: dq, dk, dv as the kernels accumulate them, not rounded to q's dtype (for a caller
+  that sums them further, as ring attention does over its steps).
 
   check: raise at trace time for what the CUDA backward lacks. False inside
   lax.platform_dependent, whose CUDA branch is traced on every platform: there the CUDA
   handler reports it, on GPUs only, when the call runs (before any launch)."""
-  grads = tuple(_like(x, x.shape, x.dtype) for x in (q, k, v))
+  grads = tuple(_like(x, x.shape, jnp.float32 if grads_f32 else x.dtype) for x in (q, k, v))
   base = dict(scale=np.float32(scale), is_causal=bool(is_causal))
   if platform == "cuda" and check:
     _check_cuda_bwd(q, v)

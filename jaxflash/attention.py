@@ -164,15 +164,19 @@ def _run_fwd(q, k, v, ops, cfg: _Config, keep_f32=False):
   return _per_shard(local, (q, k, v), ops, in_axes, out_axes)
 
 
-def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config, out_f32=None):
+def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config, out_f32=None, grads_f32=False):
   """dq, dk, dv, then dbias and dalibi for whichever of bias and alibi_slopes is live;
-  out_f32: the forward's (keep_f32), for the kernels' delta."""
+  out_f32: the forward's (keep_f32), for the kernels' delta; grads_f32: dq, dk, dv in float32
+  (not rounded to q's dtype), for a caller that sums them further."""
   def reference_vjp(q, k, v, out, lse, dout, dlse, ops, out_f32=None):
     del out_f32  # the reference recomputes its softmax VJP from q, k, v
     def ref(q, k, v, bias, alibi):
       return _reference(q, k, v, {**ops, "bias": bias, "alibi_slopes": alibi}, cfg)
     _, vjp = jax.vjp(ref, q, k, v, ops["bias"], ops["alibi_slopes"])
-    return vjp((dout, dlse))
+    dq, dk, dv, *rest = vjp((dout, dlse))
+    if grads_f32:
+      dq, dk, dv = (g.astype(jnp.float32) for g in (dq, dk, dv))
+    return (dq, dk, dv, *rest)
 
   def kernel(platform):
     impl = getattr(cfg, platform)
@@ -181,7 +185,7 @@ def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config, out_f32=None):
     return lambda q, k, v, out, lse, dout, dlse, ops, out_f32=None: _calls.bwd(
         q, k, v, out, lse, dout, dlse, ops, scale=cfg.scale, is_causal=cfg.is_causal,
         platform=impl, deterministic=cfg.deterministic, check=cfg.pinned is not None,
-        out_f32=out_f32, **cfg.options())
+        out_f32=out_f32, grads_f32=grads_f32, **cfg.options())
 
   def local(*args):
     *arrays, ops = args

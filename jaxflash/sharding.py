@@ -275,7 +275,10 @@ def _block_fwd(rc, q, k, v, q_ids, kv_ids, causal):
 def _block_bwd(rc, q, k, v, q_ids, kv_ids, out, lse, dout, dlse, causal):
   A = _attention_module()
   cfg = dataclasses.replace(rc.cfg, is_causal=causal)
-  return A._run_bwd(q, k, v, _ops(q_ids, kv_ids), out, lse, dout, dlse, cfg)[:3]
+  # fp32 partials: the ring sums one per step, and rounding each to q's dtype would add a
+  # rounding per step to the gradients of k, v (and q)
+  return A._run_bwd(q, k, v, _ops(q_ids, kv_ids), out, lse, dout, dlse, cfg,
+                    grads_f32=True)[:3]
 
 
 def _shift(xs, axis_name, size):
@@ -361,23 +364,23 @@ def _ring_bwd_impl(rc: _Ring, res, cts):
   def before(k, v, kv_ids):
     (k0, k1), (v0, v1) = _halves(k, 1), _halves(v, 1)
     dq, dk, dv = full(k0, v0, _halves(kv_ids, 1)[0])
-    return dq, jnp.concatenate([dk, jnp.zeros_like(k1)], 1), jnp.concatenate([dv, jnp.zeros_like(v1)], 1)
+    return dq, jnp.concatenate([dk, f32(k1)], 1), jnp.concatenate([dv, f32(v1)], 1)
 
   def after(k, v, kv_ids):
     sel = lambda x, axis=1: _halves(x, axis)[1]
     dq, dk, dv = _block_bwd(rc, sel(q), k, v, sel(q_ids), kv_ids, sel(out), sel(lse, 2),
                             sel(dout), sel(dlse, 2), False)
-    return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
+    return jnp.concatenate([f32(dq), dq], 1), dk, dv
 
   def skip(k, v, kv_ids):
-    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    return f32(q), f32(k), f32(v)
 
   dq, dkv, kv = f32(q), (f32(k), f32(v)), (k, v, kv_ids)
   for step in range(size):
     nxt = _shift(kv, rc.axis_name, size) if step + 1 < size else None
     parts = _ring_step(rc, step, me, size, kv, full, before, after, skip)
-    dq = dq + parts[0].astype(jnp.float32)
-    dkv = (dkv[0] + parts[1].astype(jnp.float32), dkv[1] + parts[2].astype(jnp.float32))
+    dq = dq + parts[0]
+    dkv = (dkv[0] + parts[1], dkv[1] + parts[2])
     # the gradients travel with their key block; after the last shift they are home
     dkv = _shift(dkv, rc.axis_name, size)
     kv = nxt

@@ -89,6 +89,35 @@ def test_nan_propagates(impl):
   assert not np.isnan(np.delete(out[0], 3, axis=0)).any()
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS[1:])  # a kernel option: cpu, cuda
+@pytest.mark.parametrize("options", [{}, {"is_causal": True}, {"softcap": 20.0}],
+                         ids=["plain", "causal", "softcap"])  # on H100: sm90, sm90, sm80 kernels
+@pytest.mark.parametrize("H", [64, 128])
+def test_grads_f32(impl, options, H):
+  """grads_f32 (ring attention's per-step partials): dq, dk, dv as the kernel accumulates them,
+  in float32, which round to exactly the default call's gradients (dq up to its atomics'
+  order on CUDA) and are not themselves rounded to bf16."""
+  B, T, S, N, K = 2, 200, 333, 4, 2
+  q, k, v = random_qkv(9, B, T, S, N, K, H, jnp.bfloat16)
+  dout = jax.random.normal(jax.random.PRNGKey(10), (B, T, N, H), jnp.float32).astype(q.dtype)
+  dlse = jax.random.normal(jax.random.PRNGKey(11), (B, N, T), jnp.float32)
+  kw = dict(scale=H ** -0.5, is_causal=options.get("is_causal", False), platform=impl,
+            softcap=options.get("softcap"))
+  with on_device(impl):
+    out, lse = _calls.fwd(q, k, v, **kw)
+    low = _calls.bwd(q, k, v, out, lse, dout, dlse, **kw)
+    wide = _calls.bwd(q, k, v, out, lse, dout, dlse, **kw, grads_f32=True)
+  for name, lo, hi in zip(("dq", "dk", "dv"), low, wide):
+    lo, hi = np.asarray(lo.astype(jnp.float32)), np.asarray(hi)
+    assert hi.dtype == np.float32, name
+    rounded = np.asarray(jnp.asarray(hi).astype(jnp.bfloat16).astype(jnp.float32))
+    assert (rounded != hi)[hi != 0].mean() > 0.9, f"{name}: the float32 gradients look rounded"
+    if name == "dq" and impl == "cuda":
+      np.testing.assert_allclose(rounded, lo, rtol=2 ** -7, atol=1e-6, err_msg=name)
+    else:
+      np.testing.assert_array_equal(rounded, lo, err_msg=name)
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])

@@ -383,7 +383,8 @@ void dbias_typed(const BwdParams& p) {
   });
 }
 
-template <typename T>
+// TG: the gradients' type, T or float (params.h grads_f32).
+template <typename T, typename TG>
 void bwd_typed(const BwdParams& p) {
   const int64_t G = p.group(), H = p.h, Hv = p.hv;
   const auto q_at = [&](int64_t b, int64_t n) {
@@ -418,8 +419,8 @@ void bwd_typed(const BwdParams& p) {
     const int64_t b = job / p.kh, kh = job % p.kh;
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + kh * p.k_head_stride;
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + kh * p.v_head_stride;
-    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kh * p.dk_head_stride;
-    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kh * p.dv_head_stride;
+    TG* dk = static_cast<TG*>(p.dk) + b * p.dk_batch_stride + kh * p.dk_head_stride;
+    TG* dv = static_cast<TG*>(p.dv) + b * p.dv_batch_stride + kh * p.dv_head_stride;
     std::vector<float> sK(kBlockN * H), sV(kBlockN * Hv), dK(kBlockN * H), dV(kBlockN * Hv);
     std::vector<float> sQ(kBlockM * H), sdO(kBlockM * Hv), Pd(kBlockM * kBlockN),
         dS(kBlockM * kBlockN), dR(kBlockM * kBlockN), dslope(G, 0.f);
@@ -477,7 +478,7 @@ void bwd_typed(const BwdParams& p) {
 
   parallel_for(p.b * p.t, [&](int64_t bt) {
     const int64_t b = bt / p.t, t = bt % p.t;
-    T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + t * p.dq_row_stride;
+    TG* dq = static_cast<TG*>(p.dq) + b * p.dq_batch_stride + t * p.dq_row_stride;
     const float* acc = p.dq_accum + bt * p.n * H;
     for (int64_t n = 0; n < p.n; ++n)
       for (int64_t d = 0; d < H; ++d) from_float(acc[n * H + d], dq[n * p.dq_head_stride + d]);
@@ -496,7 +497,9 @@ void dispatch_dtype(const P& p) {
 }
 
 template <typename T> struct Fwd { static void run(const FwdParams& p) { fwd_typed<T>(p); } };
-template <typename T> struct Bwd { static void run(const BwdParams& p) { bwd_typed<T>(p); } };
+template <typename T> struct Bwd {
+  static void run(const BwdParams& p) { p.grads_f32 ? bwd_typed<T, float>(p) : bwd_typed<T, T>(p); }
+};
 
 }  // namespace
 

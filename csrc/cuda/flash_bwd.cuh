@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
   }
 }
 
-// dq[b, t, n] = scale * dq_accum[b, t, n, :H], cast to T.
+// dq[b, t, n] = scale * dq_accum[b, t, n, :H], cast to T (or kept in fp32: grads_f32).
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
     convert_dq_kernel(const BwdParams p) {
@@ -209,13 +209,19 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
   const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * kWidth + c * 8);
   const float4 x = src[0], y = src[1];
   const float s = p.scale;
+  const int64_t at = b * p.dq_batch_stride + t * p.dq_row_stride + n * p.dq_head_stride + c * 8;
+  if (p.grads_f32) {
+    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.dq) + at);
+    dst[0] = make_float4(x.x * s, x.y * s, x.z * s, x.w * s);
+    dst[1] = make_float4(y.x * s, y.y * s, y.z * s, y.w * s);
+    return;
+  }
   uint4 out;
   out.x = pack2<T>(x.x * s, x.y * s);
   out.y = pack2<T>(x.z * s, x.w * s);
   out.z = pack2<T>(y.x * s, y.y * s);
   out.w = pack2<T>(y.z * s, y.w * s);
-  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_batch_stride + t * p.dq_row_stride +
-                            n * p.dq_head_stride + c * 8) = out;
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + at) = out;
 }
 
 __device__ __forceinline__ void sts_u32(uint32_t addr, uint32_t v) {
@@ -978,6 +984,30 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   const Thread th(tid);
   const int g = th.g, tq = th.tq, kv_k0 = th.warp % kWarpsKeys * 32;
   const int kv_d0 = th.warp / kWarpsKeys * Cfg::kColsKV;
+  if (p.grads_f32) {  // fp32 pairs straight from the fragments (ring attention's partials)
+    float* gdK = static_cast<float*>(p.dk) + b * p.dk_batch_stride + kh * p.dk_head_stride;
+    float* gdV = static_cast<float*>(p.dv) + b * p.dv_batch_stride + kh * p.dv_head_stride;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = n0 + kv_k0 + 16 * i + 8 * h;
+        if (key + g >= seq_s) continue;
+#pragma unroll
+        for (int j = 0; j < kNjKV; ++j) {
+          const int col = kv_d0 + j * 8 + 2 * tq;
+          const float* dk = acc_dk[i][j] + 2 * h;
+          const float* dv = acc_dv[i][j] + 2 * h;
+          if (in_cols<kHeadDim, D>(col))
+            *reinterpret_cast<float2*>(gdK + (key + g) * p.dk_row_stride + col) =
+                make_float2(dk[0] * p.scale, dk[1] * p.scale);
+          if (in_cols<kHeadDimV, D>(col))
+            *reinterpret_cast<float2*>(gdV + (key + g) * p.dv_row_stride + col) =
+                make_float2(dv[0], dv[1]);
+        }
+      }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
 #pragma unroll

@@ -539,23 +539,37 @@ __global__ void __launch_bounds__(384, 1)
       if (lane == 0) mbar_arrive(bar_empty + 8 * s);
     }
 
-    // dK = scale * acc_dk, dV = acc_dv in the input dtype; keys past S are not stored.
-    T* gdk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride;
-    T* gdv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride;
+    // dK = scale * acc_dk, dV = acc_dv in the input dtype (or fp32: grads_f32); keys past S
+    // are not stored.
+    auto store = [&](auto* gdk, auto* gdv) {
+      using Out = std::remove_pointer_t<decltype(gdk)>;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int key = key_row + 8 * h;
-      if (key < s_len) {
+      for (int h = 0; h < 2; ++h) {
+        const int key = key_row + 8 * h;
+        if (key >= s_len) continue;
 #pragma unroll
         for (int i = 0; i < kNKV / 4; ++i) {
           const int col = 8 * i + 2 * tig;
-          *reinterpret_cast<uint32_t*>(gdk + key * p.dk_row_stride + col) =
-              pack2<T>(acc_dk[4 * i + 2 * h] * p.scale, acc_dk[4 * i + 2 * h + 1] * p.scale);
-          *reinterpret_cast<uint32_t*>(gdv + key * p.dv_row_stride + col) =
-              pack2<T>(acc_dv[4 * i + 2 * h], acc_dv[4 * i + 2 * h + 1]);
+          const float dk0 = acc_dk[4 * i + 2 * h] * p.scale, dk1 = acc_dk[4 * i + 2 * h + 1] * p.scale;
+          const float dv0 = acc_dv[4 * i + 2 * h], dv1 = acc_dv[4 * i + 2 * h + 1];
+          Out* dk = gdk + key * p.dk_row_stride + col;
+          Out* dv = gdv + key * p.dv_row_stride + col;
+          if constexpr (std::is_same_v<Out, float>) {
+            *reinterpret_cast<float2*>(dk) = make_float2(dk0, dk1);
+            *reinterpret_cast<float2*>(dv) = make_float2(dv0, dv1);
+          } else {
+            *reinterpret_cast<uint32_t*>(dk) = pack2<T>(dk0, dk1);
+            *reinterpret_cast<uint32_t*>(dv) = pack2<T>(dv0, dv1);
+          }
         }
       }
-    }
+    };
+    const int64_t dk_at = b * p.dk_batch_stride + kvh * p.dk_head_stride;
+    const int64_t dv_at = b * p.dv_batch_stride + kvh * p.dv_head_stride;
+    if (p.grads_f32)
+      store(static_cast<float*>(p.dk) + dk_at, static_cast<float*>(p.dv) + dv_at);
+    else
+      store(static_cast<T*>(p.dk) + dk_at, static_cast<T*>(p.dv) + dv_at);
   }
 #else
   __trap();  // only the sm_90a build of this kernel is ever launched (see select.h)
