@@ -30,13 +30,14 @@ p.add_argument("--rules", action="store_true",
                help="the segments problem's shape with a window and ragged lengths instead of "
                     "ids: the key-range rules kernels (sanitizers)")
 p.add_argument("--many-tiles", action="store_true",
-               help="a ragged GQA problem of 136 query tiles, more than an H100 has SMs, so "
-                    "that CTAs of the persistent forward run two (sanitizers)")
+               help="a ragged GQA problem of 144 query tiles of 1000 rows, more than an H100 "
+                    "has SMs, so that CTAs of the persistent forward (plain, and causal up to "
+                    "1024 rows) run two (sanitizers)")
 p.add_argument("--reps", type=int, default=2)
 a = p.parse_args()
 B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small
                     else (2, 300, 700, 4, 2, a.D) if a.segments or a.rules
-                    else (1, 2100, 300, 8, 2, a.D) if a.many_tiles
+                    else (2, 1000, 300, 9, 3, a.D) if a.many_tiles
                     else (16384 // a.S, a.S, a.S, 2048 // a.D, 2048 // a.D, a.D))
 ids = {}
 if a.segments:

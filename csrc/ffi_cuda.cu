@@ -107,6 +107,11 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   // Nothing to write. S == 0 is not empty: the kernel writes O = 0 and lse = -inf.
   if (p.b == 0 || p.t == 0 || p.n == 0) return ffi::Error::Success();
   if (auto e = add_mask_tiles(scratch, stream, p); e.failure()) return e;
+  bool allocated = true;
+  p.tile_counter = static_cast<int*>(scratch_bytes(scratch, sizeof(int), allocated));
+  if (!allocated)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jaxflash: could not allocate the forward's tile counter");
   if (!cuda::dispatch_fwd(p, FwdLaunch{p, stream}))
     return invalid("no CUDA forward kernel compiled for this dtype and head dim");
   return cuda_error("forward kernel launch failed");

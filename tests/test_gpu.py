@@ -57,6 +57,21 @@ def test_key_tensor_over_2pow31_elements():
   assert_accurate("out", out, ref, lo, jnp.bfloat16)
 
 
+def test_persistent_causal_forward():
+  """The sm90 causal forward at H = 64 on at most 8 query tiles runs persistent, its CTAs taking
+  tiles from a counter (flash_fwd_sm90.cuh kDynamic): here 1280 tiles of unequal lengths over
+  one CTA per SM, the last query tile ragged, GQA. Every row of every head is checked."""
+  B, T, N, K, H = 4, 1000, 40, 8, 64
+  q, k, v = _rand(6, (B, T, N, H)), _rand(7, (B, T, K, H)), _rand(8, (B, T, K, H))
+  out, lse = jax.jit(lambda q, k, v: jaxflash.attention(
+      q, k, v, is_causal=True, implementation="cuda", return_residual=True))(q, k, v)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = jax.jit(lambda *a: jaxflash.attention_reference(*a, is_causal=True))
+  (ref_out, ref_lse), (lo_out, lo_lse) = ref(f32(q), f32(k), f32(v)), ref(q, k, v)
+  assert_accurate("out", out, ref_out, lo_out, jnp.bfloat16)
+  assert_accurate("lse", lse, ref_lse, lo_lse, jnp.bfloat16)
+
+
 # (H, Hv) pairs the CUDA forward runs without a CUDA backward: a value head dim below H other
 # than the MLA 192/128 (and, in a build without them, any bwd_hdim<d> left out).
 FORWARD_ONLY_CANDIDATES = [(128, 64), (256, 128), (96, 32), (192, 64), (256, 192)]

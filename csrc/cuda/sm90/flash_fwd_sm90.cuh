@@ -13,9 +13,10 @@
 //     while the softmax of j + 1 runs.
 // Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
 // causal diagonal) come first; masking is skipped on every other tile.
-// The plain kernel at H = 64 is persistent: one CTA per SM walks the query tiles (kPersistent);
-// the rings' stages and phases run on across tiles, and the next tile's Q loads once both
-// warpgroups' last S GEMMs have read sQ.
+// At H = 64 the plain kernel, and the causal one on short sequences, are persistent: one CTA
+// per SM walks the query tiles (kPersistent; causal ones from a counter); the rings' stages
+// and phases run on across tiles, and the next tile's Q loads once both warpgroups' last S
+// GEMMs have read sQ.
 //
 // Variants: a second instantiation, kRules, runs the rules that only hide whole regions of
 // keys: lengths, window, causal alignment (Rules) and segment ids (SegShared). It visits only
@@ -108,14 +109,15 @@ __device__ __forceinline__ int2 load_ids(int (&v)[4], const int32_t* ids, int ba
   return make_int2(__reduce_min_sync(0xffffffffu, id_lo), __reduce_max_sync(0xffffffffu, id_hi));
 }
 
-template <typename T, int kHeadDim, bool kCausal, bool kRules>
+constexpr int kBlockMFwd = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
+
+// kPersistent: a grid of one CTA per SM (see the kernel); launch_fwd says where it runs.
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent>
 struct FwdCfgSm90 {
   static constexpr bool kMasked = kCausal || kRules;
-  // The plain kernel's tiles are alike: a persistent grid, one CTA per SM (see the kernel), at
-  // H = 64. At H = 128 it measured slower (4k: 579 -> 554 TFLOP/s, 16k: 639 -> 601; with O
-  // staged through sQ and the next Q loaded after it, slower still: NOTES.md).
-  static constexpr bool kPersistent = !kMasked && kHeadDim == 64;
-  static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
+  static_assert(!(kPersistent && kRules), "the rules kernel runs one tile a CTA");
+  static constexpr bool kDynamic = kPersistent && kCausal;  // next tile from a counter
+  static constexpr int kBlockM = kBlockMFwd;
   static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked>::kBlockN;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
@@ -127,14 +129,15 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
   // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], then mbarriers
-  // q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages], q_empty, then
-  // (kRules) the SegShared.
+  // q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages], q_empty, the
+  // next tile (kDynamic), then (kRules) the SegShared.
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
   static constexpr uint32_t kOffBar = kOffV + kStages * kKVBytes;
   static constexpr int kNumBars = 2 + 4 * kStages;
-  static constexpr uint32_t kOffSeg = (kOffBar + kNumBars * 8 + 15) / 16 * 16;
+  static constexpr uint32_t kOffNext = kOffBar + kNumBars * 8;  // int next_tile (kDynamic)
+  static constexpr uint32_t kOffSeg = (kOffNext + 4 + 15) / 16 * 16;
   using Seg = SegShared<kBlockN, kStages>;
   static constexpr int kSmemBytes =
       kOffSeg + (kRules ? sizeof(Seg) : 0) + 1024;  // + slack to align the base
@@ -148,7 +151,7 @@ struct FwdCfgSm90 {
 
 // kRules: the rules of p (Rules: causal, window, lengths, alignment; SegShared: segment ids)
 // apply; kCausal is false.
-template <typename T, int kHeadDim, bool kCausal, bool kRules>
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent>
 __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_kernel(const FwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
@@ -156,8 +159,8 @@ __global__ void __launch_bounds__(384, 1)
                           int n_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
-  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules>;
-  constexpr bool kPersistent = Cfg::kPersistent;
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent>;
+  constexpr bool kDynamic = Cfg::kDynamic;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
 
@@ -174,14 +177,19 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_empty_k = bar_v + 8 * kStages;      // empty_k[stage]
   const uint32_t bar_empty_v = bar_empty_k + 8 * kStages;  // empty_v[stage]
   const uint32_t bar_q_empty = bar_empty_v + 8 * kStages;  // both warpgroups' S GEMMs read sQ
+  // kDynamic: the tile after the one whose Q is loading, published with that Q (bar_q)
+  int& next_tile = *reinterpret_cast<int*>(smem + Cfg::kOffNext);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
   // Tile t enumerates (b, n, m_block), m_block fastest (the query tiles of one head share its
-  // K/V in L2); causal runs the longest rows first. A CTA runs tiles blockIdx.x, + gridDim.x,
-  // ...: one each, or (kPersistent) on a grid of one CTA per SM, whose producer loads the next
-  // tile's Q and K while the consumers finish the last one; unequal tiles (causal, the rules)
-  // are left to the hardware's scheduling. Rows are int (T, S < 2^30).
+  // K/V in L2); causal runs the longest rows first. A CTA runs tile blockIdx.x and then: none
+  // (one CTA a tile; unequal tiles of the rules are left to the hardware's scheduling), or
+  // (kPersistent, one CTA per SM, whose producer loads the next tile's Q and K while the
+  // consumers finish the last one) blockIdx.x + gridDim.x, + 2 gridDim.x, ... when the tiles
+  // are alike, or under causal (kDynamic) the next one of the counter p.tile_counter, so that
+  // the CTAs' sums of unequal tiles come out even, as the hardware's scheduling makes them.
+  // Rows are int (T, S < 2^30).
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
   int64_t bn, n, b, kvh;
   int m0, j_lo, n_blocks;
@@ -285,12 +293,18 @@ __global__ void __launch_bounds__(384, 1)
     if (kRules ? warp == 0 : tid == 0) {
       // kv_base: the K/V steps of the CTA's earlier tiles, with which the rings' stages and
       // phases go on.
-      for (int t = blockIdx.x, k = 0, kv_base = 0; t < n_tiles;
-           t = kPersistent ? t + gridDim.x : n_tiles, ++k, kv_base += n_blocks) {
+      for (int t = blockIdx.x, k = 0, kv_base = 0, t_next = 0; t < n_tiles;
+           t = kDynamic ? t_next : kPersistent ? t + gridDim.x : n_tiles, ++k,
+               kv_base += n_blocks) {
+        // The tile after this one: the counter's answer arrives while the wait below runs.
+        if constexpr (kDynamic) t_next = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
         if (k > 0) {
           set_tile(t);
           mbar_wait(bar_q_empty, (k - 1) & 1);  // both warpgroups' last S of tile k - 1 is done
         }
+        // published by the arrival on bar_q in load_q (the consumers read it once per tile,
+        // right after their wait on bar_q, long before they release sQ and this is rewritten)
+        if constexpr (kDynamic) next_tile = t_next;
         if (!segs && lane == 0) load_q();  // with segment ids it is on its way already
         // Step it loads K of tile it, then V of tile it - 1: the consumers issue S of tile it
         // with P V of tile it - 1. A K stage is free once both S GEMMs read it, long before
@@ -340,8 +354,9 @@ __global__ void __launch_bounds__(384, 1)
     // Accumulator element 4 i + c sits at row g + 8 (c / 2), column 8 i + 2 tig + c % 2.
 
     const uint32_t q_rows = sQ + 64 * cw * kRowBytes;  // this warpgroup's rows, column block 0
-    for (int t = blockIdx.x, k = 0, kv_base = 0; t < n_tiles;
-         t = kPersistent ? t + gridDim.x : n_tiles, ++k, kv_base += n_blocks) {
+    for (int t = blockIdx.x, k = 0, kv_base = 0, t_next = 0; t < n_tiles;
+         t = kDynamic ? t_next : kPersistent ? t + gridDim.x : n_tiles, ++k,
+             kv_base += n_blocks) {
       if (k > 0) set_tile(t);
       float acc_o[kNO];  // (64, H) fp32 per warpgroup
 #pragma unroll
@@ -369,6 +384,7 @@ __global__ void __launch_bounds__(384, 1)
       }
 
       mbar_wait(bar_q, k & 1);
+      if constexpr (kDynamic) t_next = next_tile;
 
       // The steps of one key tile it (ring stage it % kStages): tile j = j_lo + n_blocks - 1 - it,
       // in the rules kernel the stage's seg.tile.
@@ -510,7 +526,8 @@ __global__ void __launch_bounds__(384, 1)
       // last arrival of a tile opens warpgroup 0's first round of the next (which then
       // overlaps warpgroup 1's epilogue), and is skipped after the CTA's last tile, where
       // nobody would wait for it.
-      const bool last_tile = !kPersistent || t + static_cast<int>(gridDim.x) >= n_tiles;
+      const bool last_tile = kDynamic ? t_next >= n_tiles
+                             : !kPersistent || t + static_cast<int>(gridDim.x) >= n_tiles;
       int rounds_left = n_blocks + 1;
       auto turn_begin = [&] { named_barrier_sync(3 + cw, 256); };
       auto turn_end = [&] {
@@ -611,9 +628,9 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-template <typename T, int kHeadDim, bool kCausal, bool kRules>
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent>
 bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules>;
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent>;
   CUtensorMap tma_q, tma_k, tma_v;
   if (!encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
                       p.q_batch_stride, Cfg::kBlockM) ||
@@ -625,8 +642,11 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t num_m_blocks = (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const int64_t n_tiles = num_m_blocks * p.n * p.b;  // < 2^31 for anything that fits in memory
   if (n_tiles == 0) return true;
-  const int64_t grid = Cfg::kPersistent ? std::min<int64_t>(n_tiles, sm_count()) : n_tiles;
-  auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules>;
+  const int64_t grid = kPersistent ? std::min<int64_t>(n_tiles, sm_count()) : n_tiles;
+  if (Cfg::kDynamic && (p.tile_counter == nullptr ||
+                        cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream) != cudaSuccess))
+    return false;
+  auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent>;
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) != cudaSuccess)
@@ -644,8 +664,18 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 // compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true>(p, stream);
-  return sm90::launch_fwd<T, kHeadDim, kCausal, false>(p, stream);
+  if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true, false>(p, stream);
+  // Persistent where it measured faster (NOTES.md): at H = 64 the plain kernel, whose tiles
+  // are alike, and the causal one up to 8 query tiles (T <= 1k: +7%; at 2k it loses 2%, at 16k
+  // 10%). At H = 128 both lose (plain 4k: 579 -> 554 TFLOP/s, 16k: 639 -> 601; causal 4k
+  // 525 -> 442; with O staged through sQ and the next Q loaded after it, slower still).
+  if constexpr (kHeadDim == 64 && !kCausal) {
+    return sm90::launch_fwd<T, kHeadDim, false, false, true>(p, stream);
+  } else {
+    if (kHeadDim == 64 && p.t <= 8 * sm90::kBlockMFwd)
+      return sm90::launch_fwd<T, kHeadDim, kCausal, false, kHeadDim == 64>(p, stream);
+    return sm90::launch_fwd<T, kHeadDim, kCausal, false, false>(p, stream);
+  }
 }
 
 }  // namespace jaxflash::cuda
