@@ -272,12 +272,13 @@ def _block_fwd(rc, q, k, v, q_ids, kv_ids, causal):
   return A._run_fwd(q, k, v, _ops(q_ids, kv_ids), dataclasses.replace(rc.cfg, is_causal=causal))
 
 
-def _block_bwd(rc, q, k, v, q_ids, kv_ids, out, lse, dout, dlse, causal):
+def _block_bwd(rc, q, k, v, q_ids, kv_ids, out, lse, dout, dlse, out_f32, causal):
   A = _attention_module()
   cfg = dataclasses.replace(rc.cfg, is_causal=causal)
   # fp32 partials: the ring sums one per step, and rounding each to q's dtype would add a
-  # rounding per step to the gradients of k, v (and q)
-  return A._run_bwd(q, k, v, _ops(q_ids, kv_ids), out, lse, dout, dlse, cfg,
+  # rounding per step to the gradients of k, v (and q). delta = rowsum(dout * out) from the
+  # merged out in fp32, not from out rounded once more after the merge of rounded blocks.
+  return A._run_bwd(q, k, v, _ops(q_ids, kv_ids), out, lse, dout, dlse, cfg, out_f32=out_f32,
                     grads_f32=True)[:3]
 
 
@@ -346,12 +347,11 @@ def _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc: _Ring):
     part = _ring_step(rc, step, me, size, kv, full, before, after, skip)
     acc = _merge(acc, part)
     kv = nxt
-  out, lse = acc
-  return out.astype(q.dtype), lse
+  return acc  # out in float32, lse
 
 
 def _ring_bwd_impl(rc: _Ring, res, cts):
-  q, k, v, q_ids, kv_ids, out, lse = res
+  q, k, v, q_ids, kv_ids, out, lse, out_f32 = res
   dout, dlse = cts
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
   size = jax.lax.axis_size(rc.axis_name)
@@ -359,7 +359,7 @@ def _ring_bwd_impl(rc: _Ring, res, cts):
   f32 = lambda x: jnp.zeros_like(x, jnp.float32)
 
   def full(k, v, kv_ids, causal=False):
-    return _block_bwd(rc, q, k, v, q_ids, kv_ids, out, lse, dout, dlse, causal)
+    return _block_bwd(rc, q, k, v, q_ids, kv_ids, out, lse, dout, dlse, out_f32, causal)
 
   def before(k, v, kv_ids):
     (k0, k1), (v0, v1) = _halves(k, 1), _halves(v, 1)
@@ -369,7 +369,7 @@ def _ring_bwd_impl(rc: _Ring, res, cts):
   def after(k, v, kv_ids):
     sel = lambda x, axis=1: _halves(x, axis)[1]
     dq, dk, dv = _block_bwd(rc, sel(q), k, v, sel(q_ids), kv_ids, sel(out), sel(lse, 2),
-                            sel(dout), sel(dlse, 2), False)
+                            sel(dout), sel(dlse, 2), sel(out_f32), False)
     return jnp.concatenate([f32(dq), dq], 1), dk, dv
 
   def skip(k, v, kv_ids):
@@ -390,12 +390,14 @@ def _ring_bwd_impl(rc: _Ring, res, cts):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _ring(q, k, v, q_ids, kv_ids, rc: _Ring):
-  return _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc)
+  out_f32, lse = _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc)
+  return out_f32.astype(q.dtype), lse
 
 
 def _ring_fwd(q, k, v, q_ids, kv_ids, rc):
-  out, lse = _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc)
-  return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
+  out_f32, lse = _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc)
+  out = out_f32.astype(q.dtype)
+  return (out, lse), (q, k, v, q_ids, kv_ids, out, lse, out_f32)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd_impl)

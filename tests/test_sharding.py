@@ -207,7 +207,9 @@ def _ring_run(ring, q, k, v, do, num_shards, layout, dlse_scale, ids=()):
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_ring_matches_reference(num_shards, is_causal):
   mesh = _mesh((num_shards,), ("sp",))
-  q, k, v, do = _inputs(10 + num_shards, 2, 8 * num_shards, 4, 2, 16)  # GQA 4 over 2
+  # GQA 4 over 2; 32 tokens a shard: on GPU the kernels round P and dS to bf16, and over a
+  # 16-token sequence the max error of a few thousand elements sits at the bound (NOTES.md)
+  q, k, v, do = _inputs(10 + num_shards, 2, 32 * num_shards, 4, 2, 16)
   want = _ref_and_grads(q, k, v, do, 0.25, is_causal)
   got = _ring_run(_ring(mesh, "zigzag", is_causal), q, k, v, do, num_shards, "zigzag", 0.25)
   _check(got, want)
