@@ -72,6 +72,24 @@ def test_handler_rejects_gqa_mismatch():
                                is_causal=False, **attrs))
 
 
+@pytest.mark.parametrize("dtypes, match", [
+    ((jnp.float32, jnp.bfloat16, jnp.float32), "share one dtype"),
+    ((jnp.float16,) * 3, "q's dtype or be float32"),
+])
+def test_bwd_handler_validates_gradient_dtypes(dtypes, match):
+  """dq, dk, dv come all in q's dtype or all in float32 (grads_f32): anything else is an
+  error from the handler, no crash."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in (Q, K, V))
+  ops, attrs = _calls._variant_inputs(q, None, None, False, None, 0.0)
+  out, lse = jnp.zeros(q.shape, q.dtype), jnp.zeros((2, 4, 16), jnp.float32)
+  grads = tuple(jax.ShapeDtypeStruct(x.shape, d) for x, d in zip((q, k, v), dtypes))
+  dead = (jax.ShapeDtypeStruct((0,), q.dtype), jax.ShapeDtypeStruct((0,), jnp.float32))
+  call = jax.ffi.ffi_call("jaxflash_bwd_cpu", grads + dead)
+  with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=match):
+    jax.block_until_ready(call(q, k, v, out, lse, out, lse, jnp.zeros((0,), jnp.float32), *ops,
+                               scale=np.float32(0.1), is_causal=False, **attrs))
+
+
 @pytest.fixture
 def fake_cuda_build(monkeypatch):
   """What a CUDA build with every head dim reports."""
