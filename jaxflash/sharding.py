@@ -351,7 +351,8 @@ def _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc: _Ring):
 
 
 def _ring_bwd_impl(rc: _Ring, res, cts):
-  q, k, v, q_ids, kv_ids, out, lse, out_f32 = res
+  q, k, v, q_ids, kv_ids, out_f32, lse = res
+  out = out_f32.astype(q.dtype)  # the primal output, which the block backward also takes
   dout, dlse = cts
   dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
   size = jax.lax.axis_size(rc.axis_name)
@@ -396,8 +397,7 @@ def _ring(q, k, v, q_ids, kv_ids, rc: _Ring):
 
 def _ring_fwd(q, k, v, q_ids, kv_ids, rc):
   out_f32, lse = _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc)
-  out = out_f32.astype(q.dtype)
-  return (out, lse), (q, k, v, q_ids, kv_ids, out, lse, out_f32)
+  return (out_f32.astype(q.dtype), lse), (q, k, v, q_ids, kv_ids, out_f32, lse)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd_impl)

@@ -672,6 +672,7 @@ bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim == 64 && !kCausal) {
     return sm90::launch_fwd<T, kHeadDim, false, false, true>(p, stream);
   } else {
+    // (at H = 128 the condition is false and the instantiation the one-tile-a-CTA one below)
     if (kHeadDim == 64 && p.t <= 8 * sm90::kBlockMFwd)
       return sm90::launch_fwd<T, kHeadDim, kCausal, false, kHeadDim == 64>(p, stream);
     return sm90::launch_fwd<T, kHeadDim, kCausal, false, false>(p, stream);
