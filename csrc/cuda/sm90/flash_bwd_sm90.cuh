@@ -19,6 +19,8 @@
 //     consumers issue no atomics and go on to the next step's S^T while the tile drains.
 //   H = 128 runs kBlockM = 64 (the warpgroups split dQ's columns), H = 64 kBlockM = 128 (they
 //   split its rows): every wgmma has N >= 64 and the dQ split falls on whole swizzle atoms.
+//   At the end dK, dV leave through shared memory (the K, V, Q, dO, dS^T buffers, free by then)
+//   as whole 16-byte pieces of rows.
 // Variants: a second instantiation, kRules, runs the key-range rules (lengths, window, causal
 // alignment; rules.cuh) and segment ids (BwdSegShared): a CTA visits only the query tiles that
 // may see its keys, and warps test elements only where their 16 keys are not seen whole by
@@ -258,6 +260,20 @@ __global__ void __launch_bounds__(384, 1)
         const int m0 = step_m0(walk);
         // Stage s last held step it - kStages: wait until both consumers released it.
         if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
+        // Q and dO first: the rows below are global loads, whose latency would otherwise delay
+        // the copies (exposed at a CTA's first step). Every lane arrives once its rows are in.
+        const uint32_t full = bar_full + 8 * s;
+        if (lane == 0) {
+          sM0[s] = m0;
+          mbar_expect_tx(full, 2 * Cfg::kQBytes);
+          const uint32_t stage = s * Cfg::kQBytes;
+          const int ci_n = static_cast<int>(n);
+#pragma unroll
+          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+            tma_load_4d(sQ + stage + cb * kBlockM * kRowBytes, &tma_q, full, cb * 64, ci_n, m0, ci_b);
+            tma_load_4d(sdO + stage + cb * kBlockM * kRowBytes, &tma_do, full, cb * 64, ci_n, m0, ci_b);
+          }
+        }
         // Rows past T (their Q, dO are TMA's zeros), past q_len or with no visible key
         // (lse -inf): lse = +inf gives P = 0 there.
         const int64_t row0 = (b * p.n + n) * p.t;
@@ -278,24 +294,12 @@ __global__ void __launch_bounds__(384, 1)
           id_hi = __reduce_max_sync(0xffffffffu, id_hi);
           if (lane == 0) seg->q_lo[s] = id_lo, seg->q_hi[s] = id_hi;
         }
-        const uint32_t full = bar_full + 8 * s;
-        if (lane == 0) {
-          sM0[s] = m0;
-          mbar_arrive_expect_tx(full, 2 * Cfg::kQBytes);
-          const uint32_t stage = s * Cfg::kQBytes;
-          const int ci_n = static_cast<int>(n);
-#pragma unroll
-          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-            tma_load_4d(sQ + stage + cb * kBlockM * kRowBytes, &tma_q, full, cb * 64, ci_n, m0, ci_b);
-            tma_load_4d(sdO + stage + cb * kBlockM * kRowBytes, &tma_do, full, cb * 64, ci_n, m0, ci_b);
-          }
-        } else {
-          mbar_arrive(full);
-        }
+        mbar_arrive(full);
       }
     } else if (warp == 1) {
       // dq_accum[b, m0 .., n, :] += sdQ by TMA (rows past T skipped); sdQ is released once
-      // read, the adds complete in the L2 on their own.
+      // read, the adds complete in the L2 on their own (the CTA need not wait for them: the
+      // last wait above is the read of its last tile, before its shared memory goes).
       if (lane == 0) {
         tma_prefetch_desc(&tma_dq);
         StepWalk<Seg> walk;
@@ -308,15 +312,16 @@ __global__ void __launch_bounds__(384, 1)
                               static_cast<int>(step_head(walk)), step_m0(walk),
                               static_cast<int>(b));
           bulk_commit();
-          bulk_wait_all<true>();
+          bulk_wait_read();
           mbar_arrive(bar_dq_empty);
         }
-        bulk_wait_all<false>();
       }
     }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
-    const int cw = warp / 4 - 1;  // consumer warpgroup: keys 64 cw .. 64 cw + 63 of the tile
+    // Consumer warpgroup: keys 64 cw .. 64 cw + 63 of the tile. Broadcast from lane 0 so that
+    // ptxas sees it warp-uniform and keeps the descriptors derived from it in uniform registers.
+    const int cw = __shfl_sync(0xffffffffu, warp / 4 - 1, 0);
     const int wi = warp % 4;      // warp in the warpgroup: accumulator rows 16 wi .. 16 wi + 15
     const int g = lane / 4, tig = lane % 4;
     // Accumulator element 4 i + c sits at row 16 wi + g + 8 (c / 2), column 8 i + 2 tig + c % 2.
@@ -330,12 +335,22 @@ __global__ void __launch_bounds__(384, 1)
     float acc_dv[kNKV], acc_dk[kNKV];
 #pragma unroll
     for (int i = 0; i < kNKV; ++i) acc_dv[i] = acc_dk[i] = 0.f;
-    const uint32_t k_rows = sK + 64 * cw * kRowBytes, v_rows = sV + 64 * cw * kRowBytes;
+    // Operand descriptors at stage 0 (the step's are desc_at offsets of these): this
+    // warpgroup's rows of K and V (K-major), the Q, dO stages K-major (S^T, dP^T) and MN-major
+    // (dK, dV: column blocks kBlockM rows apart), dS^T's column block dq_row0 / 64 and K's
+    // dq_col0 / 64 for dQ (MN-major).
+    const uint64_t d_k_rows = sw128_desc(sK + 64 * cw * kRowBytes, 16, 1024);
+    const uint64_t d_v_rows = sw128_desc(sV + 64 * cw * kRowBytes, 16, 1024);
+    const uint64_t d_q = sw128_desc(sQ, 16, 1024), d_do = sw128_desc(sdO, 16, 1024);
+    const uint64_t d_q_mn = sw128_desc(sQ, kBlockM * kRowBytes, 1024);
+    const uint64_t d_do_mn = sw128_desc(sdO, kBlockM * kRowBytes, 1024);
+    const uint64_t d_ds = sw128_desc(sdS + (dq_row0 / 64) * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
+    const uint64_t d_k_dq = sw128_desc(sK + (dq_col0 / 64) * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
     mbar_wait(bar_kv, 0);
 
     for (int it = 0; it < n_steps; ++it) {
       const int s = it % kStages;
-      const uint32_t sQ_s = sQ + s * Cfg::kQBytes, sdO_s = sdO + s * Cfg::kQBytes;
+      const uint32_t stage = s * Cfg::kQBytes;  // the step's Q, dO: sQ + stage, sdO + stage
       mbar_wait(bar_full + 8 * s, (it / kStages) & 1);
       // the step's first query, from the producer with the stage
       const int m0 = sM0[s];
@@ -343,13 +358,13 @@ __global__ void __launch_bounds__(384, 1)
       // S^T = K Q^T and dP^T = V dO^T: (64, kBlockM), K = H in k16 steps, both operands
       // K-major (this warpgroup's 64 rows of K or V, the stage's Q or dO tile).
       float acc_s[kNS], acc_dp[kNS];
-      auto issue_rows_by_tile = [&](float (&acc)[kNS], uint32_t rows, uint32_t tile) {
+      auto issue_rows_by_tile = [&](float (&acc)[kNS], uint64_t rows, uint64_t tile) {
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           const uint32_t col = (kk % 4) * 32, cb = kk / 4;
           Wgmma<kBlockM>::template ss<T>(
-              acc, sw128_desc(rows + cb * kBlockN * kRowBytes + col, 16, 1024),
-              sw128_desc(tile + cb * kBlockM * kRowBytes + col, 16, 1024), kk > 0);
+              acc, desc_at(rows, cb * kBlockN * kRowBytes + col),
+              desc_at(tile, stage + cb * kBlockM * kRowBytes + col), kk > 0);
         }
         wgmma_commit();
       };
@@ -371,8 +386,8 @@ __global__ void __launch_bounds__(384, 1)
         for (int i = 0; i < kNS / 4; ++i) read_lse(i);
       }
       wgmma_fence();
-      issue_rows_by_tile(acc_s, k_rows, sQ_s);
-      issue_rows_by_tile(acc_dp, v_rows, sdO_s);
+      issue_rows_by_tile(acc_s, d_k_rows, d_q);
+      issue_rows_by_tile(acc_dp, d_v_rows, d_do);
 
       // P^T = 2^(S^T scale_log2 - lse_log2[q]), 0 at keys >= S and, under causal, at keys
       // past the query (kRules: keys >= kv_len or outside the band -wl <= key - q - shift
@@ -471,13 +486,14 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int kk = 0; kk < kKM; ++kk)
         Wgmma<kHeadDim>::template rs<T>(
-            acc_dv, rP[kk], sw128_desc(sdO_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
+            acc_dv, rP[kk], desc_at(d_do_mn, stage + kk * 16 * kRowBytes), 1);
       wgmma_commit();
 
       // dS^T into shared buffer it % 2, rows = keys. The other warpgroup last read this buffer
       // in its dQ of step it - 2, which it waited for before the barrier of step it - 1: one
       // barrier per step suffices.
-      const uint32_t sdS_b = sdS + (it % 2) * Cfg::kDSBytes;
+      const uint32_t ds_buf = (it % 2) * Cfg::kDSBytes;
+      const uint32_t sdS_b = sdS + ds_buf;
 #pragma unroll
       for (int i = 0; i < kNS / 4; ++i)
 #pragma unroll
@@ -499,16 +515,13 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < kBlockN / 16; ++kk)
         Wgmma<64>::template tt<T>(
             acc_dq,
-            sw128_desc(sdS_b + (dq_row0 / 64) * kBlockN * kRowBytes + kk * 16 * kRowBytes,
-                       kBlockN * kRowBytes, 1024),
-            sw128_desc(sK + (dq_col0 / 64) * kBlockN * kRowBytes + kk * 16 * kRowBytes,
-                       kBlockN * kRowBytes, 1024),
+            desc_at(d_ds, ds_buf + kk * 16 * kRowBytes), desc_at(d_k_dq, kk * 16 * kRowBytes),
             kk > 0);
       wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < kKM; ++kk)
         Wgmma<kHeadDim>::template rs<T>(
-            acc_dk, rdS[kk], sw128_desc(sQ_s + kk * 16 * kRowBytes, kBlockM * kRowBytes, 1024), 1);
+            acc_dk, rdS[kk], desc_at(d_q_mn, stage + kk * 16 * kRowBytes), 1);
       wgmma_commit();
       wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
       fence_regs(acc_dq);
@@ -520,16 +533,22 @@ __global__ void __launch_bounds__(384, 1)
       if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
       // Row r of a column block holds 16-byte chunk c at c ^ (r % 8), and r % 8 = g; column
       // 8 i + 2 tig is chunk 2 (i % 4) + tig / 2, so its swizzled byte offset in the row is
-      // this thread's offset for i % 4 = 0, XOR 32 (i % 4).
-      const uint32_t sdq_thread = sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
-                                  (dq_row0 + 16 * wi + g) * kRowBytes +
-                                  (((tig / 2) ^ g) * 16 + (tig % 2) * 8);
+      // this thread's offset for i % 4 = 0, XOR 32 (i % 4). A float2 store is served a
+      // half-warp (4 rows) at a time, and rows g, g ^ 1 put the same i in the same banks: so
+      // odd rows store i ^ 2 (XOR 64) when even rows store i, and each half-warp's 4 rows fill
+      // 4 distinct 32-byte bank groups (1 wavefront, not 2).
+      const bool odd = g & 1;
+      const uint32_t sdq_thread = (sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
+                                   (dq_row0 + 16 * wi + g) * kRowBytes +
+                                   (((tig / 2) ^ g) * 16 + (tig % 2) * 8)) ^ (odd ? 64 : 0);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < 8; ++i) {
+          const int e = 4 * i + 2 * h, e2 = 4 * (i ^ 2) + 2 * h;  // selects, not an index
           sts_f32x2((sdq_thread ^ ((i % 4) * 32)) + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes,
-                    acc_dq[4 * i + 2 * h], acc_dq[4 * i + 2 * h + 1]);
+                    odd ? acc_dq[e2] : acc_dq[e], odd ? acc_dq[e2 + 1] : acc_dq[e + 1]);
+        }
       fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_dq_full);
@@ -540,28 +559,46 @@ __global__ void __launch_bounds__(384, 1)
     }
 
     // dK = scale * acc_dk, dV = acc_dv in the input dtype (or fp32: grads_f32); keys past S
-    // are not stored.
+    // are not stored. They go through shared memory so that the global stores are whole
+    // 16-byte pieces of rows (the accumulator layout gives a thread 4 bytes of each of 8 rows
+    // per instruction). Once both warpgroups pass the barrier their last GEMMs have read sK ..
+    // sdS, and the producer loads nothing after the last step; the dQ writer keeps sdQ.
+    named_barrier_sync(1, 256);
     auto store = [&](auto* gdk, auto* gdv) {
       using Out = std::remove_pointer_t<decltype(gdk)>;
+      // Rows of H + 8 elements: a warp's 8 rows of 4 (or, fp32, 8) bytes fall in distinct banks.
+      constexpr int kPitch = (kHeadDim + 8) * sizeof(Out);
+      static_assert(4 * 64 * kPitch <= Cfg::kOffLse, "dK, dV of both warpgroups in sK .. sdS");
+      unsigned char* s_dk = smem + 2 * cw * 64 * kPitch;  // (64, H + 8) each
+      unsigned char* s_dv = s_dk + 64 * kPitch;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int key = key_row + 8 * h;
-        if (key >= s_len) continue;
+        const int row = 16 * wi + g + 8 * h;
 #pragma unroll
         for (int i = 0; i < kNKV / 4; ++i) {
-          const int col = 8 * i + 2 * tig;
+          const int at = row * kPitch + (8 * i + 2 * tig) * static_cast<int>(sizeof(Out));
           const float dk0 = acc_dk[4 * i + 2 * h] * p.scale, dk1 = acc_dk[4 * i + 2 * h + 1] * p.scale;
           const float dv0 = acc_dv[4 * i + 2 * h], dv1 = acc_dv[4 * i + 2 * h + 1];
-          Out* dk = gdk + key * p.dk_row_stride + col;
-          Out* dv = gdv + key * p.dv_row_stride + col;
           if constexpr (std::is_same_v<Out, float>) {
-            *reinterpret_cast<float2*>(dk) = make_float2(dk0, dk1);
-            *reinterpret_cast<float2*>(dv) = make_float2(dv0, dv1);
+            *reinterpret_cast<float2*>(s_dk + at) = make_float2(dk0, dk1);
+            *reinterpret_cast<float2*>(s_dv + at) = make_float2(dv0, dv1);
           } else {
-            *reinterpret_cast<uint32_t*>(dk) = pack2<T>(dk0, dk1);
-            *reinterpret_cast<uint32_t*>(dv) = pack2<T>(dv0, dv1);
+            *reinterpret_cast<uint32_t*>(s_dk + at) = pack2<T>(dk0, dk1);
+            *reinterpret_cast<uint32_t*>(s_dv + at) = pack2<T>(dv0, dv1);
           }
         }
+      }
+      named_barrier_sync(2 + cw, 128);
+      // 16-byte chunks of the rows, consecutive threads along a row (outputs are dense:
+      // rows of K * H elements, H a multiple of 8).
+      constexpr int kChunks = kHeadDim * sizeof(Out) / 16, kPer = 16 / sizeof(Out);
+      for (int idx = tid % 128; idx < 64 * kChunks; idx += 128) {
+        const int r = idx / kChunks, c = idx % kChunks, key = n0 + 64 * cw + r;
+        if (key >= s_len) continue;
+        *reinterpret_cast<uint4*>(gdk + key * p.dk_row_stride + c * kPer) =
+            *reinterpret_cast<const uint4*>(s_dk + r * kPitch + 16 * c);
+        *reinterpret_cast<uint4*>(gdv + key * p.dv_row_stride + c * kPer) =
+            *reinterpret_cast<const uint4*>(s_dv + r * kPitch + 16 * c);
       }
     };
     const int64_t dk_at = b * p.dk_batch_stride + kvh * p.dk_head_stride;
