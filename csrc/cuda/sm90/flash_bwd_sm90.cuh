@@ -248,8 +248,10 @@ __global__ void __launch_bounds__(384, 1)
         mbar_arrive_expect_tx(bar_kv, 2 * Cfg::kKVBytes);
 #pragma unroll
         for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-          tma_load_4d(sK + cb * kBlockN * kRowBytes, &tma_k, bar_kv, cb * 64, ci_kvh, n0, ci_b);
-          tma_load_4d(sV + cb * kBlockN * kRowBytes, &tma_v, bar_kv, cb * 64, ci_kvh, n0, ci_b);
+          tma_load_4d(sK + cb * kBlockN * kRowBytes, &tma_k, bar_kv, cb * 64, ci_kvh, n0, ci_b,
+                      L2Hint::kFirst);
+          tma_load_4d(sV + cb * kBlockN * kRowBytes, &tma_v, bar_kv, cb * 64, ci_kvh, n0, ci_b,
+                      L2Hint::kFirst);
         }
       }
       StepWalk<Seg> walk;
@@ -270,8 +272,10 @@ __global__ void __launch_bounds__(384, 1)
           const int ci_n = static_cast<int>(n);
 #pragma unroll
           for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-            tma_load_4d(sQ + stage + cb * kBlockM * kRowBytes, &tma_q, full, cb * 64, ci_n, m0, ci_b);
-            tma_load_4d(sdO + stage + cb * kBlockM * kRowBytes, &tma_do, full, cb * 64, ci_n, m0, ci_b);
+            tma_load_4d(sQ + stage + cb * kBlockM * kRowBytes, &tma_q, full, cb * 64, ci_n, m0, ci_b,
+                        L2Hint::kLast);
+            tma_load_4d(sdO + stage + cb * kBlockM * kRowBytes, &tma_do, full, cb * 64, ci_n, m0, ci_b,
+                        L2Hint::kLast);
           }
         }
         // Rows past T (their Q, dO are TMA's zeros), past q_len or with no visible key
@@ -310,7 +314,7 @@ __global__ void __launch_bounds__(384, 1)
           for (int cb = 0; cb < kHeadDim / 32; ++cb)
             tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, cb * 32,
                               static_cast<int>(step_head(walk)), step_m0(walk),
-                              static_cast<int>(b));
+                              static_cast<int>(b), L2Hint::kLast);
           bulk_commit();
           bulk_wait_read();
           mbar_arrive(bar_dq_empty);

@@ -13,10 +13,11 @@
 //     while the softmax of j + 1 runs.
 // Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
 // causal diagonal) come first; masking is skipped on every other tile.
-// At H = 64 the plain kernel, and the causal one on short sequences, are persistent: one CTA
-// per SM walks the query tiles (kPersistent; causal ones from a counter); the rings' stages
-// and phases run on across tiles, and the next tile's Q loads once both warpgroups' last S
-// GEMMs have read sQ.
+// Persistent kernels (kPersistent; run_fwd_sm90 says where): one CTA per SM walks the query
+// tiles, causal ones from a counter in L2 sections of heads, longest first. The rings' stages
+// and phases run on across tiles; a tile's first K loads before its Q, which waits until both
+// warpgroups' last S GEMMs of the tile before have read sQ; O leaves through an sO of its own
+// by TMA stores, so the consumers go on to the next tile while it is written.
 //
 // Variants: a second instantiation, kRules, runs the rules that only hide whole regions of
 // keys: lengths, window, causal alignment (Rules) and segment ids (SegShared). It visits only
@@ -54,10 +55,12 @@ namespace sm90 {
 
 // Key tile widths: 176 (d128) and 192 (d64) keys amortise the softmax's reductions and
 // barriers over more work, as in FA3; tiles cut by a diagonal (kMasked: causal or the rules
-// of Rules below) keep 128, so less of each boundary tile is wasted.
-template <int kHeadDim, bool kMasked>
+// of Rules below) keep 128, so less of each boundary tile is wasted. The persistent d128
+// kernel keeps 128 too, to leave room for sO.
+template <int kHeadDim, bool kMasked, bool kPersistent>
 struct FwdTileSm90 {
-  static constexpr int kBlockN = kMasked ? 128 : (kHeadDim == 128 ? 176 : 192);
+  static constexpr int kBlockN =
+      kMasked || (kPersistent && kHeadDim == 128) ? 128 : (kHeadDim == 128 ? 176 : 192);
 };
 
 // Segment ids (query t sees key s only if q_seg[b, t] == kv_seg[b, s]) in the rules kernel.
@@ -118,7 +121,7 @@ struct FwdCfgSm90 {
   static_assert(!(kPersistent && kRules), "the rules kernel runs one tile a CTA");
   static constexpr bool kDynamic = kPersistent && kCausal;  // next tile from a counter
   static constexpr int kBlockM = kBlockMFwd;
-  static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked>::kBlockN;
+  static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked, kPersistent>::kBlockN;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   // 24 + 2 x 240 registers per thread of the 3 warpgroups fit the 64K register file; at entry
@@ -128,13 +131,17 @@ struct FwdCfgSm90 {
   static constexpr int kColBlocks = kHeadDim / kSwzCols;
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
-  // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], then mbarriers
-  // q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages], q_empty, the
-  // next tile (kDynamic), then (kRules) the SegShared.
+  // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], (kStageO) sO,
+  // then mbarriers q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages],
+  // q_empty, the next tile (kDynamic), then (kRules) the SegShared.
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
-  static constexpr uint32_t kOffBar = kOffV + kStages * kKVBytes;
+  static constexpr uint32_t kOffO = kOffV + kStages * kKVBytes;
+  // O leaves through shared memory by TMA stores: staged in sQ when the CTA runs one tile,
+  // in an sO of its own when persistent (sQ may hold the next tile's Q by then).
+  static constexpr bool kStageO = kPersistent;
+  static constexpr uint32_t kOffBar = kOffO + (kStageO ? kQBytes : 0);
   static constexpr int kNumBars = 2 + 4 * kStages;
   static constexpr uint32_t kOffNext = kOffBar + kNumBars * 8;  // int next_tile (kDynamic)
   static constexpr uint32_t kOffSeg = (kOffNext + 4 + 15) / 16 * 16;
@@ -155,8 +162,9 @@ template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent>
 __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_kernel(const FwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
-                          const __grid_constant__ CUtensorMap tma_v, int num_m_blocks,
-                          int n_tiles) {
+                          const __grid_constant__ CUtensorMap tma_v,
+                          const __grid_constant__ CUtensorMap tma_o, int num_m_blocks,
+                          int n_tiles, int sec_heads) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
   using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent>;
@@ -188,7 +196,7 @@ __global__ void __launch_bounds__(384, 1)
   // (kPersistent, one CTA per SM, whose producer loads the next tile's Q and K while the
   // consumers finish the last one) blockIdx.x + gridDim.x, + 2 gridDim.x, ... when the tiles
   // are alike, or under causal (kDynamic) the next one of the counter p.tile_counter, so that
-  // the CTAs' sums of unequal tiles come out even, as the hardware's scheduling makes them.
+  // the CTAs' sums of unequal tiles come out even (tile t is then numbered as below).
   // Rows are int (T, S < 2^30).
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
   int64_t bn, n, b, kvh;
@@ -197,6 +205,16 @@ __global__ void __launch_bounds__(384, 1)
   auto set_tile = [&](int t) {
     int m_block = t % num_m_blocks;
     bn = t / num_m_blocks;  // b * N + n
+    if constexpr (kDynamic) {
+      // Sections of sec_heads heads whose K/V fit in the L2, and in each the query tiles
+      // longest first, tile m_block of every head before the shorter ones: the CTAs' last
+      // tiles are the shortest of all.
+      const int first = t / (sec_heads * num_m_blocks) * sec_heads;
+      const int width = min(sec_heads, static_cast<int>(p.b * p.n) - first);
+      const int t_loc = t - first * num_m_blocks;
+      m_block = t_loc / width;
+      bn = first + t_loc % width;
+    }
     n = bn % p.n, b = bn / p.n;
     if (kCausal || (kRules && p.is_causal)) m_block = num_m_blocks - 1 - m_block;
     kvh = n / (p.n / p.kh);  // GQA: kv head of query head n
@@ -250,7 +268,8 @@ __global__ void __launch_bounds__(384, 1)
     mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
 #pragma unroll
     for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
-      tma_load_4d(sQ + cb * kBlockM * kRowBytes, &tma_q, bar_q, cb * 64, ci_n, m0, ci_b);
+      tma_load_4d(sQ + cb * kBlockM * kRowBytes, &tma_q, bar_q, cb * 64, ci_n, m0, ci_b,
+                  L2Hint::kFirst);
   };
   // K (or V) of key tile j into ring stage s of sK (sV), completing on full_k[s] (full_v[s]).
   auto load_tile = [&](const CUtensorMap* map, uint32_t ring, uint32_t full, int s, int j) {
@@ -258,7 +277,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
       tma_load_4d(ring + s * Cfg::kKVBytes + cb * kBlockN * kRowBytes, map, full + 8 * s, cb * 64,
-                  static_cast<int>(kvh), j * kBlockN, static_cast<int>(b));
+                  static_cast<int>(kvh), j * kBlockN, static_cast<int>(b), L2Hint::kLast);
   };
 
   if (segs) {
@@ -298,62 +317,71 @@ __global__ void __launch_bounds__(384, 1)
                kv_base += n_blocks) {
         // The tile after this one: the counter's answer arrives while the wait below runs.
         if constexpr (kDynamic) t_next = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
-        if (k > 0) {
-          set_tile(t);
-          mbar_wait(bar_q_empty, (k - 1) & 1);  // both warpgroups' last S of tile k - 1 is done
-        }
+        if (k > 0) set_tile(t);
+        // Step it loads K of tile it, then V of tile it - 1: the consumers issue S of tile it
+        // with P V of tile it - 1. A K stage is free once both S GEMMs read it, long before
+        // the V stage beside it, which waits for the slower warpgroup's P V.
+        int r = segs ? n_cand : n_blocks;
+        auto load_k = [&](int it) {
+          r = segs ? seg.prev_live(r - 1) : r - 1;  // tiles last to first
+          const int j = j_lo + r;
+          const int q = kv_base + it, s = q % kStages, n0 = j * kBlockN;
+          int v[4];
+          int2 kv = make_int2(0, 0);
+          if (segs) kv = load_ids(v, gKvSeg, n0, keys.x, min(n0 + kBlockN, keys.y), lane);
+          // Stage s last held K of step q - kStages: wait until both consumers released it.
+          if (q >= kStages) mbar_wait(bar_empty_k + 8 * s, (q / kStages - 1) & 1);
+          if constexpr (kRules) {
+            if (segs) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) seg.kv_ids[s][lane + 32 * i] = v[i];
+            }
+            if (lane == 0) {
+              seg.tile[s] = j;
+              seg.kv_lo[s] = kv.x;
+              seg.kv_hi[s] = kv.y;
+            }
+          }
+          // each lane's arrival on full_k publishes its writes (the rules kernel's warp)
+          if (lane == 0) load_tile(&tma_k, sK, bar_k, s, j);
+          else mbar_arrive(bar_k + 8 * s);
+          return j;
+        };
+        // The tile's first K goes out before its Q: its stage was freed two steps ago, sQ only
+        // by the last S GEMMs of the tile before.
+        int j_prev = n_blocks > 0 ? load_k(0) : 0;
+        if (k > 0) mbar_wait(bar_q_empty, (k - 1) & 1);  // both warpgroups' last S of tile k - 1
         // published by the arrival on bar_q in load_q (the consumers read it once per tile,
         // right after their wait on bar_q, long before they release sQ and this is rewritten)
         if constexpr (kDynamic) next_tile = t_next;
         if (!segs && lane == 0) load_q();  // with segment ids it is on its way already
-        // Step it loads K of tile it, then V of tile it - 1: the consumers issue S of tile it
-        // with P V of tile it - 1. A K stage is free once both S GEMMs read it, long before
-        // the V stage beside it, which waits for the slower warpgroup's P V.
-        for (int it = 0, r = segs ? n_cand : n_blocks, j_prev = 0; it <= n_blocks; ++it) {
-          int j = 0;
-          if (it < n_blocks) {
-            r = segs ? seg.prev_live(r - 1) : r - 1;  // tiles last to first
-            j = j_lo + r;
-            const int q = kv_base + it, s = q % kStages, n0 = j * kBlockN;
-            int v[4];
-            int2 kv = make_int2(0, 0);
-            if (segs) kv = load_ids(v, gKvSeg, n0, keys.x, min(n0 + kBlockN, keys.y), lane);
-            // Stage s last held K of step q - kStages: wait until both consumers released it.
-            if (q >= kStages) mbar_wait(bar_empty_k + 8 * s, (q / kStages - 1) & 1);
-            if constexpr (kRules) {
-              if (segs) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) seg.kv_ids[s][lane + 32 * i] = v[i];
-              }
-              if (lane == 0) {
-                seg.tile[s] = j;
-                seg.kv_lo[s] = kv.x;
-                seg.kv_hi[s] = kv.y;
-              }
-            }
-            // each lane's arrival on full_k publishes its writes (the rules kernel's warp)
-            if (lane == 0) load_tile(&tma_k, sK, bar_k, s, j);
-            else mbar_arrive(bar_k + 8 * s);
-          }
-          if (it > 0) {
-            const int q = kv_base + it - 1, s = q % kStages;
-            if (q >= kStages) mbar_wait(bar_empty_v + 8 * s, (q / kStages - 1) & 1);
-            if (lane == 0) load_tile(&tma_v, sV, bar_v, s, j_prev);
-          }
+        for (int it = 1; it <= n_blocks; ++it) {
+          const int j = it < n_blocks ? load_k(it) : 0;
+          const int q = kv_base + it - 1, s = q % kStages;
+          if (q >= kStages) mbar_wait(bar_empty_v + 8 * s, (q / kStages - 1) & 1);
+          if (lane == 0) load_tile(&tma_v, sV, bar_v, s, j_prev);
           j_prev = j;
         }
       }
     }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
-    const int cw = warp / 4 - 1;          // consumer warpgroup: tile rows 64 cw .. 64 cw + 63
+    // Consumer warpgroup: tile rows 64 cw .. 64 cw + 63. Broadcast from lane 0 so that ptxas
+    // sees it warp-uniform and keeps the descriptors derived from it in uniform registers.
+    const int cw = __shfl_sync(0xffffffffu, warp / 4 - 1, 0);
     const int wr = 64 * cw + (warp % 4) * 16;  // this warp's first tile row (wgmma: 16 per warp)
     const int g = lane / 4, tig = lane % 4;    // accumulator rows g, g + 8; column pair tig
+    const bool o_leader = warp % 4 == 0 && lane == 0;  // issues the warpgroup's O stores
     constexpr int kNS = kBlockN / 2;   // S accumulator floats per thread: (64, kBlockN) / 128
     constexpr int kNO = kHeadDim / 2;  // O accumulator floats per thread: (64, H) / 128
     // Accumulator element 4 i + c sits at row g + 8 (c / 2), column 8 i + 2 tig + c % 2.
 
-    const uint32_t q_rows = sQ + 64 * cw * kRowBytes;  // this warpgroup's rows, column block 0
+    // wgmma descriptors of this warpgroup's rows of sQ, K stage 0 and V stage 0 (column block
+    // 0); every GEMM offsets them (desc_at). K-major Q and K: LBO unused (16), SBO = 8 rows.
+    // V, MN-major: the column blocks LBO = kBlockN * 128 bytes apart.
+    const uint64_t d_q = sw128_desc(sQ + 64 * cw * kRowBytes, 16, 1024);
+    const uint64_t d_k = sw128_desc(sK, 16, 1024);
+    const uint64_t d_v = sw128_desc(sV, kBlockN * kRowBytes, 1024);
     for (int t = blockIdx.x, k = 0, kv_base = 0, t_next = 0; t < n_tiles;
          t = kDynamic ? t_next : kPersistent ? t + gridDim.x : n_tiles, ++k,
              kv_base += n_blocks) {
@@ -397,9 +425,9 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           const uint32_t col = (kk % 4) * 32;  // byte offset of k16 step kk inside a 128-byte row
-          const uint64_t a = sw128_desc(q_rows + (kk / 4) * kBlockM * kRowBytes + col, 16, 1024);
-          const uint64_t bk = sw128_desc(sK + stage + (kk / 4) * kBlockN * kRowBytes + col, 16, 1024);
-          Wgmma<kBlockN>::template ss<T>(acc_s, a, bk, kk > 0);
+          Wgmma<kBlockN>::template ss<T>(acc_s, desc_at(d_q, (kk / 4) * kBlockM * kRowBytes + col),
+                                         desc_at(d_k, stage + (kk / 4) * kBlockN * kRowBytes + col),
+                                         kk > 0);
         }
         wgmma_commit();
       };
@@ -413,8 +441,7 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          const uint64_t bv = sw128_desc(sV + stage + kk * 16 * kRowBytes, kBlockN * kRowBytes, 1024);
-          Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], bv, 1);
+          Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], desc_at(d_v, stage + kk * 16 * kRowBytes), 1);
         }
         wgmma_commit();
       };
@@ -578,13 +605,14 @@ __global__ void __launch_bounds__(384, 1)
       }
 
       // Epilogue: O = acc / l, lse = (m + log2 l) ln 2; l == 0 (no visible key) gives O = 0 and
-      // lse = -inf. One tile a CTA: O is staged in this warp's own rows of sQ (same swizzle)
-      // for 16-byte stores, once no wgmma of the warpgroup still reads sQ. Persistent: sQ may
-      // hold the next tile's Q already, so O goes from the registers straight to global
-      // memory (8 rows x 16 bytes a warp store; the L2 merges the sectors).
-      T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
+      // lse = -inf. O is staged in the warpgroup's rows of sO (sQ when the CTA runs one tile,
+      // once no wgmma of the warpgroup still reads it) in the tiles' swizzle, and one thread
+      // stores them by TMA (rows past T are not written); the next tile's epilogue waits until
+      // that store has read them.
       float* gLse = p.lse + bn * p.t;
-      if constexpr (!kPersistent) named_barrier_sync(1 + cw, 128);
+      if (Cfg::kStageO && o_leader) bulk_wait_read();
+      named_barrier_sync(1 + cw, 128);
+      const uint32_t o_off = Cfg::kStageO ? Cfg::kOffO : Cfg::kOffQ;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(row_sum[h]);
@@ -593,35 +621,26 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int i = 0; i < kNO / 4; ++i) {
           const uint32_t o2 = pack2<T>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
-          if constexpr (kPersistent) {
-            if (m0 + row < t_len)
-              *reinterpret_cast<uint32_t*>(gO + static_cast<int64_t>(m0 + row) * p.o_row_stride +
-                                           8 * i + 2 * tig) = o2;
-          } else {
-            const int chunk = i % 8;  // 16-byte chunk of column 8 i within its column block
-            const uint32_t off = (i / 8) * kBlockM * kRowBytes + row * kRowBytes +
-                                 ((chunk ^ (row % 8)) * 16) + tig * 4;
-            *reinterpret_cast<uint32_t*>(smem + Cfg::kOffQ + off) = o2;
-          }
+          const int chunk = i % 8;  // 16-byte chunk of column 8 i within its column block
+          const uint32_t off = (i / 8) * kBlockM * kRowBytes + row * kRowBytes +
+                               ((chunk ^ (row % 8)) * 16) + tig * 4;
+          *reinterpret_cast<uint32_t*>(smem + o_off + off) = o2;
         }
         if (tig == 0 && m0 + row < t_len)
           gLse[m0 + row] = l == 0.f ? -INFINITY : (row_max[h] + log2f(l)) * 0.6931471805599453f;
       }
-      if constexpr (!kPersistent) {
-        __syncwarp();
-        constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+      fence_proxy_async();
+      named_barrier_sync(1 + cw, 128);
+      if (o_leader) {
 #pragma unroll
-        for (int c16 = 0; c16 < 16 * kChunks / 32; ++c16) {
-          const int idx = c16 * 32 + lane;
-          const int row = wr + idx / kChunks, c = idx % kChunks;
-          const uint32_t off =
-              (c / 8) * kBlockM * kRowBytes + row * kRowBytes + (((c % 8) ^ (row % 8)) * 16);
-          if (m0 + row < t_len)
-            *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(m0 + row) * p.o_row_stride + c * 8) =
-                *reinterpret_cast<const uint4*>(smem + Cfg::kOffQ + off);
-        }
+        for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
+          tma_store_4d(&tma_o, base + o_off + cb * kBlockM * kRowBytes + 64 * cw * kRowBytes,
+                       cb * 64, static_cast<int>(n), m0 + 64 * cw, static_cast<int>(b));
+        bulk_commit();
       }
     }
+    // Shared memory must outlive the reads of the last stores.
+    if (o_leader) bulk_wait_read();
   }
 #else
   __trap();  // only the sm_90a build of this kernel is ever launched (see select.h)
@@ -631,13 +650,15 @@ __global__ void __launch_bounds__(384, 1)
 template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent>
 bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent>;
-  CUtensorMap tma_q, tma_k, tma_v;
+  CUtensorMap tma_q, tma_k, tma_v, tma_o;
   if (!encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
                       p.q_batch_stride, Cfg::kBlockM) ||
       !encode_btnh<T>(&tma_k, p.k, p.h, p.kh, p.s, p.b, p.k_head_stride, p.k_row_stride,
                       p.k_batch_stride, Cfg::kBlockN) ||
       !encode_btnh<T>(&tma_v, p.v, p.hv, p.kh, p.s, p.b, p.v_head_stride, p.v_row_stride,
-                      p.v_batch_stride, Cfg::kBlockN))
+                      p.v_batch_stride, Cfg::kBlockN) ||
+      !encode_btnh<T>(&tma_o, p.o, p.hv, p.n, p.t, p.b, p.o_head_stride, p.o_row_stride,
+                      p.o_batch_stride, 64))  // a warpgroup's rows
     return false;
   const int64_t num_m_blocks = (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const int64_t n_tiles = num_m_blocks * p.n * p.b;  // < 2^31 for anything that fits in memory
@@ -647,12 +668,19 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
                         cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream) != cudaSuccess))
     return false;
   auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent>;
+  // kDynamic's sections: the query heads whose K and V fill 32 MB of the L2 (the heads of a
+  // GQA group share theirs).
+  const int64_t kv_bytes =
+      std::max<int64_t>(2 * p.s * p.h * static_cast<int64_t>(sizeof(T)) * p.kh / p.n, 1);
+  const int sec_heads =
+      static_cast<int>(std::clamp<int64_t>((int64_t{32} << 20) / kv_bytes, 1, p.b * p.n));
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) != cudaSuccess)
     return true;
   kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-      p, tma_q, tma_k, tma_v, static_cast<int>(num_m_blocks), static_cast<int>(n_tiles));
+      p, tma_q, tma_k, tma_v, tma_o, static_cast<int>(num_m_blocks), static_cast<int>(n_tiles),
+      sec_heads);
   return true;
 }
 
@@ -665,16 +693,15 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 template <typename T, int kHeadDim, bool kCausal>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true, false>(p, stream);
-  // Persistent where it measured faster (NOTES.md): at H = 64 the plain kernel, whose tiles
-  // are alike, and the causal one up to 8 query tiles (T <= 1k: +7%; at 2k it loses 2%, at 16k
-  // 10%). At H = 128 both lose (plain 4k: 579 -> 554 TFLOP/s, 16k: 639 -> 601; causal 4k
-  // 525 -> 442; with O staged through sQ and the next Q loaded after it, slower still).
+  // Persistent where it measured faster (NOTES.md, ninth session; A/Bs interleaved in one
+  // process): at H = 64 the plain kernel at every length; causal up to T = 4k (1k +12-16%,
+  // 4k +3-9%; at 16k -6% at H = 64, level at 128); at H = 128 the plain kernel up to T = 2k,
+  // where its 128-key tiles leave room for sO (1k +12%, 4k level, 16k -5% against 176 keys).
   if constexpr (kHeadDim == 64 && !kCausal) {
     return sm90::launch_fwd<T, kHeadDim, false, false, true>(p, stream);
   } else {
-    // (at H = 128 the condition is false and the instantiation the one-tile-a-CTA one below)
-    if (kHeadDim == 64 && p.t <= 8 * sm90::kBlockMFwd)
-      return sm90::launch_fwd<T, kHeadDim, kCausal, false, kHeadDim == 64>(p, stream);
+    if (p.t <= (kCausal ? 4096 : 2048))
+      return sm90::launch_fwd<T, kHeadDim, kCausal, false, true>(p, stream);
     return sm90::launch_fwd<T, kHeadDim, kCausal, false, false>(p, stream);
   }
 }

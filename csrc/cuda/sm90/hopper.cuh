@@ -63,15 +63,35 @@ __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// L2 eviction priorities for TMA copies (the createpolicy encodings of the cache-policy
+// operand): kLast for tiles that many CTAs read again (K/V in the forward, Q/dO and the
+// dq_accum sums in the backward), kFirst for those read once.
+enum class L2Hint : uint64_t {
+  kFirst = 0x12F0000000000000ull,
+  kLast = 0x14F0000000000000ull,
+};
+
 // Copies the box at coordinates (c0 innermost .. c3) of a rank-4 tensor map into shared
 // memory at dst; completion (all box bytes, out-of-bounds ones zero-filled) is signalled to
 // the mbarrier as transaction bytes.
 __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                            int c0, int c1, int c2, int c3) {
+                                            int c0, int c1, int c2, int c3, L2Hint hint) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar),
+      "l"(static_cast<uint64_t>(hint))
+      : "memory");
+}
+
+// Copies the shared tile at src into the box at coordinates (c0 innermost .. c3) of a rank-4
+// tensor map (rows out of bounds are not written); tracked by this thread's bulk async-groups.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1,
+                                             int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
 
@@ -80,14 +100,14 @@ __device__ __forceinline__ void sts_f32x2(uint32_t addr, float x, float y) {
 }
 
 // Adds the shared tile at src element-wise into the box at coordinates (c0 innermost .. c3)
-// of a rank-4 tensor map, in the L2 (elements out of bounds are skipped); tracked by this
-// thread's bulk async-groups.
+// of a rank-4 tensor map, in the L2 (elements out of bounds are skipped; the sums stay in the
+// L2 for the next adds); tracked by this thread's bulk async-groups.
 __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32_t src, int c0,
-                                                  int c1, int c2, int c3) {
+                                                  int c1, int c2, int c3, L2Hint hint) {
   asm volatile(
-      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
-      " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group.L2::cache_hint"
+      " [%0, {%2, %3, %4, %5}], [%1], %6;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(static_cast<uint64_t>(hint))
       : "memory");
 }
 

@@ -71,6 +71,7 @@ inline bool sm90_rules_only(const FwdParams& p) {
 
 inline bool use_fwd_sm90(const FwdParams& p) {
   return !sm90_disabled_by_env() && p.s > 0 && sm90_rules_only(p) && tma_strides_ok(p) &&
+         tma_strides_ok({p.o_head_stride, p.o_row_stride, p.o_batch_stride}) &&
          p.b < (int64_t{1} << 31) && current_cc_major() == 9;
 }
 
