@@ -100,8 +100,8 @@ __device__ __forceinline__ void sts_f32x2(uint32_t addr, float x, float y) {
 }
 
 // Adds the shared tile at src element-wise into the box at coordinates (c0 innermost .. c3)
-// of a rank-4 tensor map, in the L2 (elements out of bounds are skipped; the sums stay in the
-// L2 for the next adds); tracked by this thread's bulk async-groups.
+// of a rank-4 tensor map, in the L2 with eviction priority `hint` (elements out of bounds are
+// skipped); tracked by this thread's bulk async-groups.
 __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32_t src, int c0,
                                                   int c1, int c2, int c3, L2Hint hint) {
   asm volatile(
