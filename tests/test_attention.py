@@ -124,11 +124,12 @@ def test_grads_f32(impl, options, H):
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(2, 1024, 1024, 16, 16, 128), (1, 2049, 1999, 8, 2, 64),
                                    (4, 513, 4096, 4, 4, 128), (1, 4133, 4133, 4, 2, 128),
-                                   (1, 4133, 3001, 4, 2, 64)],
+                                   (1, 4133, 3001, 4, 2, 64), (2, 1000, 1024, 8, 4, 64)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_cuda_long_sequences(dtype, is_causal, shape):
   """Many tiles in both directions, with ragged tails; the small SHAPES cover the edges. At
-  T = 1k the sm90 forwards run persistent CTAs, past T = 4k one CTA a query tile."""
+  T = 1k the sm90 forwards run persistent CTAs, past T = 4k one CTA a query tile; the H = 64
+  plain forward runs 128-key tiles at S = 1024 and 192-key tiles at 1999 and 3001."""
   test_forward_and_grads("cuda", dtype, is_causal, shape)
 
 

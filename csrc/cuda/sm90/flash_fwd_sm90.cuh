@@ -55,12 +55,12 @@ namespace sm90 {
 
 // Key tile widths: 176 (d128) and 192 (d64) keys amortise the softmax's reductions and
 // barriers over more work, as in FA3; tiles cut by a diagonal (kMasked: causal or the rules
-// of Rules below) keep 128, so less of each boundary tile is wasted. The persistent d128
-// kernel keeps 128 too, to leave room for sO.
-template <int kHeadDim, bool kMasked, bool kPersistent>
+// of Rules below) keep 128, so less of each boundary tile is wasted, and so do kNarrow
+// kernels: the persistent d128 one, to leave room for sO, and d64 where S leaves a wide last
+// tile mostly empty (run_fwd_sm90).
+template <int kHeadDim, bool kMasked, bool kNarrow>
 struct FwdTileSm90 {
-  static constexpr int kBlockN =
-      kMasked || (kPersistent && kHeadDim == 128) ? 128 : (kHeadDim == 128 ? 176 : 192);
+  static constexpr int kBlockN = kMasked || kNarrow ? 128 : (kHeadDim == 128 ? 176 : 192);
 };
 
 // Segment ids (query t sees key s only if q_seg[b, t] == kv_seg[b, s]) in the rules kernel.
@@ -114,14 +114,15 @@ __device__ __forceinline__ int2 load_ids(int (&v)[4], const int32_t* ids, int ba
 
 constexpr int kBlockMFwd = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
 
-// kPersistent: a grid of one CTA per SM (see the kernel); launch_fwd says where it runs.
-template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent>
+// kPersistent: a grid of one CTA per SM (see the kernel); kNarrow: 128-key tiles
+// (FwdTileSm90); run_fwd_sm90 says where each runs.
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow>
 struct FwdCfgSm90 {
   static constexpr bool kMasked = kCausal || kRules;
   static_assert(!(kPersistent && kRules), "the rules kernel runs one tile a CTA");
   static constexpr bool kDynamic = kPersistent && kCausal;  // next tile from a counter
   static constexpr int kBlockM = kBlockMFwd;
-  static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked, kPersistent>::kBlockN;
+  static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked, kNarrow>::kBlockN;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   // 24 + 2 x 240 registers per thread of the 3 warpgroups fit the 64K register file; at entry
@@ -158,7 +159,7 @@ struct FwdCfgSm90 {
 
 // kRules: the rules of p (Rules: causal, window, lengths, alignment; SegShared: segment ids)
 // apply; kCausal is false.
-template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent>
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow>
 __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_kernel(const FwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(384, 1)
                           int n_tiles, int sec_heads) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
-  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent>;
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow>;
   constexpr bool kDynamic = Cfg::kDynamic;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
@@ -647,9 +648,9 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent>
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow>
 bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent>;
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow>;
   CUtensorMap tma_q, tma_k, tma_v, tma_o;
   if (!encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
                       p.q_batch_stride, Cfg::kBlockM) ||
@@ -667,7 +668,7 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (Cfg::kDynamic && (p.tile_counter == nullptr ||
                         cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream) != cudaSuccess))
     return false;
-  auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent>;
+  auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow>;
   // kDynamic's sections: the query heads whose K and V fill 32 MB of the L2 (the heads of a
   // GQA group share theirs).
   const int64_t kv_bytes =
@@ -692,17 +693,23 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 // compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true, false>(p, stream);
+  if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true, false, false>(p, stream);
   // Persistent where it measured faster (NOTES.md, ninth session; A/Bs interleaved in one
   // process): at H = 64 the plain kernel at every length; causal up to T = 4k (1k +12-16%,
   // 4k +3-9%; at 16k -6% at H = 64, level at 128); at H = 128 the plain kernel up to T = 2k,
   // where its 128-key tiles leave room for sO (1k +12%, 4k level, 16k -5% against 176 keys).
   if constexpr (kHeadDim == 64 && !kCausal) {
-    return sm90::launch_fwd<T, kHeadDim, false, false, true>(p, stream);
+    // 128-key tiles where 192 would pad S by more than 5% beyond what 128 pads it by: at
+    // S = 512 and 1k +13% and +9% (1152 keys computed for 1024 otherwise); at 1.5k, 3k and 16k,
+    // which 192 divides or nearly, 192 is 2-4% faster (NOTES.md, tenth session).
+    const int64_t pad192 = (p.s + 191) / 192 * 192 - p.s, pad128 = (p.s + 127) / 128 * 128 - p.s;
+    if (20 * (pad192 - pad128) > p.s)
+      return sm90::launch_fwd<T, kHeadDim, false, false, true, true>(p, stream);
+    return sm90::launch_fwd<T, kHeadDim, false, false, true, false>(p, stream);
   } else {
     if (p.t <= (kCausal ? 4096 : 2048))
-      return sm90::launch_fwd<T, kHeadDim, kCausal, false, true>(p, stream);
-    return sm90::launch_fwd<T, kHeadDim, kCausal, false, false>(p, stream);
+      return sm90::launch_fwd<T, kHeadDim, kCausal, false, true, kHeadDim == 128 && !kCausal>(p, stream);
+    return sm90::launch_fwd<T, kHeadDim, kCausal, false, false, false>(p, stream);
   }
 }
 
