@@ -205,7 +205,9 @@ __global__ void __launch_bounds__(384, 1)
     mbar_init(bar_kv, 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bar_full + 8 * s, 32);  // every lane of the producer warp (lse, delta rows)
-      mbar_init(bar_empty + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
+      // every consumer thread, each releasing its own reads of the stage's rows (sM0, sLse,
+      // sDelta, seg->q_ids) before the producer rewrites them
+      mbar_init(bar_empty + 8 * s, 256);
     }
     mbar_init(bar_dq_full, 8);
     mbar_init(bar_dq_empty, 1);
@@ -558,8 +560,7 @@ __global__ void __launch_bounds__(384, 1)
       if (lane == 0) mbar_arrive(bar_dq_full);
       wgmma_wait<0>();  // dK: the stage's Q and dO are read
       fence_regs(acc_dk);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+      mbar_arrive(bar_empty + 8 * s);
     }
 
     // dK = scale * acc_dk, dV = acc_dv in the input dtype (or fp32: grads_f32); keys past S
