@@ -255,7 +255,9 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(bar_empty_k + 8 * s, kRules ? 256 : 8);
       mbar_init(bar_empty_v + 8 * s, 8);
     }
-    mbar_init(bar_q_empty, 8);
+    // lane 0 of each consumer warp; under kDynamic every consumer thread, each releasing its
+    // own read of next_tile before the producer rewrites it
+    mbar_init(bar_q_empty, kDynamic ? 256 : 8);
     mbar_fence_init();
     tma_prefetch_desc(&tma_q);
     tma_prefetch_desc(&tma_k);
@@ -452,7 +454,7 @@ __global__ void __launch_bounds__(384, 1)
       auto release_k = [&](int it) {
         __syncwarp();
         if (kRules || lane == 0) mbar_arrive(bar_empty_k + 8 * ((kv_base + it) % kStages));
-        if (it == n_blocks - 1 && lane == 0) mbar_arrive(bar_q_empty);
+        if (it == n_blocks - 1 && (kDynamic || lane == 0)) mbar_arrive(bar_q_empty);
       };
       auto release_v = [&](int it) {
         __syncwarp();
