@@ -124,12 +124,15 @@ def test_grads_f32(impl, options, H):
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(2, 1024, 1024, 16, 16, 128), (1, 2049, 1999, 8, 2, 64),
                                    (4, 513, 4096, 4, 4, 128), (1, 4133, 4133, 4, 2, 128),
-                                   (1, 4133, 3001, 4, 2, 64), (2, 1000, 1024, 8, 4, 64)],
+                                   (1, 4133, 3001, 4, 2, 64), (2, 640, 1999, 8, 4, 64),
+                                   (2, 4133, 1000, 8, 2, 64)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_cuda_long_sequences(dtype, is_causal, shape):
   """Many tiles in both directions, with ragged tails; the small SHAPES cover the edges. At
-  T = 1k the sm90 forwards run persistent CTAs, past T = 4k one CTA a query tile; the H = 64
-  plain forward runs 128-key tiles at S = 1024 and 192-key tiles at 1999 and 3001."""
+  T = 1k the sm90 forwards run persistent CTAs, past T = 4k one CTA a query tile. At H = 64
+  the forward runs 3 consumer warpgroups (192-row tiles) at T = 2049 and 4133 (causal: 4133),
+  CTAs of several tiles at 4133 x 1000; at T = 640 two, with 192-key tiles at S = 1999 (the
+  small SHAPES run the 128-key ones)."""
   test_forward_and_grads("cuda", dtype, is_causal, shape)
 
 

@@ -1,22 +1,29 @@
 // FlashAttention-3-style forward for Hopper (sm_90a): TMA loads, wgmma, warp specialization.
 //
-// A CTA of 3 warpgroups owns a (kBlockM = 128, H) tile of queries of one (batch b, head n):
+// A CTA of 1 + kWGs warpgroups owns a (kBlockM = 64 kWGs, H) tile of queries of one (batch b,
+// head n):
 //   - warpgroup 0, the producer, gives up registers (setmaxnreg.dec); one thread issues the
 //     TMA copies: the Q tile once, then the (kBlockN, H) K and V tiles of kv head n / group
 //     into 2-stage shared-memory rings, each completing on its own mbarrier;
-//   - warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc) and own 64 query
-//     rows each: S = Q K^T by wgmma from shared memory, the online softmax in registers, then
-//     O += P V by wgmma with P from registers; they hand a K stage back to the producer
-//     through its "empty" mbarrier once both S GEMMs have read it, and a V stage once both
-//     P V GEMMs have (a stage of both would wait for the slower warpgroup's P V and expose
-//     the next K's load). As in FA3, S of tile j + 1 and P V of tile j are in flight together
-//     while the softmax of j + 1 runs.
+//   - the kWGs (2, or 3 at H = 64) consumers take the registers (setmaxnreg.inc) and own 64
+//     query rows each: S = Q K^T by wgmma from shared memory, the online softmax in
+//     registers, then O += P V by wgmma with P from registers; they hand a K stage back to
+//     the producer through its "empty" mbarrier once all S GEMMs have read it, and a V stage
+//     once all P V GEMMs have (a stage of both would wait for the slowest warpgroup's P V and
+//     expose the next K's load). As in FA3, S of tile j + 1 and P V of tile j are in flight
+//     together while the softmax of j + 1 runs.
+// A warp stalls at each wgmma it issues until the tensor cores' queue takes it, which holds
+// only a few: issuing S and P V of a step blocks a consumer for about the time they take
+// (~800 of a 3000-cycle step at H = 64 with 2 consumers, clock64 trace). Its softmax can
+// start only after that, so at H = 64, where the exp2s (MUFU) take as long as the GEMMs, a
+// third consumer keeps the tensor cores and the MUFU busy while the other two are blocked
+// or in their softmax (FA3's 192-row tiles at H <= 64).
 // Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
 // causal diagonal) come first; masking is skipped on every other tile.
 // Persistent kernels (kPersistent; run_fwd_sm90 says where): one CTA per SM walks the query
 // tiles, causal ones from a counter in L2 sections of heads, longest first. The rings' stages
-// and phases run on across tiles; a tile's first K loads before its Q, which waits until both
-// warpgroups' last S GEMMs of the tile before have read sQ; O leaves through an sO of its own
+// and phases run on across tiles; a tile's first K loads before its Q, which waits until every
+// consumer's last S GEMMs of the tile before have read sQ; O leaves through an sO of its own
 // by TMA stores, so the consumers go on to the next tile while it is written.
 //
 // Variants: a second instantiation, kRules, runs the rules that only hide whole regions of
@@ -112,22 +119,24 @@ __device__ __forceinline__ int2 load_ids(int (&v)[4], const int32_t* ids, int ba
   return make_int2(__reduce_min_sync(0xffffffffu, id_lo), __reduce_max_sync(0xffffffffu, id_hi));
 }
 
-constexpr int kBlockMFwd = 128;  // 2 consumer warpgroups x 64 rows (wgmma's M)
-
 // kPersistent: a grid of one CTA per SM (see the kernel); kNarrow: 128-key tiles
-// (FwdTileSm90); run_fwd_sm90 says where each runs.
-template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow>
+// (FwdTileSm90); kWGs: consumer warpgroups (3 only at H = 64, in 160 registers: S, P and O
+// take 128); run_fwd_sm90 says where each runs.
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow,
+          int kWGs>
 struct FwdCfgSm90 {
   static constexpr bool kMasked = kCausal || kRules;
   static_assert(!(kPersistent && kRules), "the rules kernel runs one tile a CTA");
   static constexpr bool kDynamic = kPersistent && kCausal;  // next tile from a counter
-  static constexpr int kBlockM = kBlockMFwd;
+  static_assert(kWGs == 2 || (kWGs == 3 && !kRules), "3 consumer warpgroups: not the rules kernel");
+  static constexpr int kBlockM = 64 * kWGs;  // each consumer warpgroup owns 64 rows (wgmma's M)
   static constexpr int kBlockN = FwdTileSm90<kHeadDim, kMasked, kNarrow>::kBlockN;
   static constexpr int kStages = 2;
-  static constexpr int kThreads = 384;
-  // 24 + 2 x 240 registers per thread of the 3 warpgroups fit the 64K register file; at entry
-  // __launch_bounds__(384, 1) gives each thread 168.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kThreads = 128 * (1 + kWGs);
+  static constexpr int kConsumerWarps = 4 * kWGs, kConsumerThreads = 128 * kWGs;
+  // 24 + 2 x 240 (24 + 3 x 160) registers per thread of the warpgroups fit the 64K register
+  // file; at entry __launch_bounds__(kThreads, 1) gives each thread 168 (128).
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kWGs == 2 ? 240 : 160;
   static constexpr int kSwzCols = 64;  // elements in one 128-byte swizzled row
   static constexpr int kColBlocks = kHeadDim / kSwzCols;
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
@@ -159,8 +168,9 @@ struct FwdCfgSm90 {
 
 // kRules: the rules of p (Rules: causal, window, lengths, alignment; SegShared: segment ids)
 // apply; kCausal is false.
-template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow>
-__global__ void __launch_bounds__(384, 1)
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow,
+          int kWGs>
+__global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     flash_fwd_sm90_kernel(const FwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
                           const __grid_constant__ CUtensorMap tma_v,
@@ -168,7 +178,7 @@ __global__ void __launch_bounds__(384, 1)
                           int n_tiles, int sec_heads) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
-  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow>;
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow, kWGs>;
   constexpr bool kDynamic = Cfg::kDynamic;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
@@ -185,7 +195,7 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_v = bar_k + 8 * kStages;       // full_v[stage]
   const uint32_t bar_empty_k = bar_v + 8 * kStages;      // empty_k[stage]
   const uint32_t bar_empty_v = bar_empty_k + 8 * kStages;  // empty_v[stage]
-  const uint32_t bar_q_empty = bar_empty_v + 8 * kStages;  // both warpgroups' S GEMMs read sQ
+  const uint32_t bar_q_empty = bar_empty_v + 8 * kStages;  // every consumer's S GEMMs read sQ
   // kDynamic: the tile after the one whose Q is loading, published with that Q (bar_q)
   int& next_tile = *reinterpret_cast<int*>(smem + Cfg::kOffNext);
 
@@ -250,14 +260,14 @@ __global__ void __launch_bounds__(384, 1)
       // the rules kernel: every lane of producer warp 0, which writes the stage's tile and ids
       mbar_init(bar_k + 8 * s, kRules ? 32 : 1);
       mbar_init(bar_v + 8 * s, 1);
-      // lane 0 of each of the 8 consumer warps; for K in the rules kernel every consumer
-      // thread, all of which read the stage's tile (and ids) published with K
-      mbar_init(bar_empty_k + 8 * s, kRules ? 256 : 8);
-      mbar_init(bar_empty_v + 8 * s, 8);
+      // lane 0 of each consumer warp; for K in the rules kernel every consumer thread, all of
+      // which read the stage's tile (and ids) published with K
+      mbar_init(bar_empty_k + 8 * s, kRules ? Cfg::kConsumerThreads : Cfg::kConsumerWarps);
+      mbar_init(bar_empty_v + 8 * s, Cfg::kConsumerWarps);
     }
     // lane 0 of each consumer warp; under kDynamic every consumer thread, each releasing its
     // own read of next_tile before the producer rewrites it
-    mbar_init(bar_q_empty, kDynamic ? 256 : 8);
+    mbar_init(bar_q_empty, kDynamic ? Cfg::kConsumerThreads : Cfg::kConsumerWarps);
     mbar_fence_init();
     tma_prefetch_desc(&tma_q);
     tma_prefetch_desc(&tma_k);
@@ -353,7 +363,7 @@ __global__ void __launch_bounds__(384, 1)
         // The tile's first K goes out before its Q: its stage was freed two steps ago, sQ only
         // by the last S GEMMs of the tile before.
         int j_prev = n_blocks > 0 ? load_k(0) : 0;
-        if (k > 0) mbar_wait(bar_q_empty, (k - 1) & 1);  // both warpgroups' last S of tile k - 1
+        if (k > 0) mbar_wait(bar_q_empty, (k - 1) & 1);  // every consumer's last S of tile k - 1
         // published by the arrival on bar_q in load_q (the consumers read it once per tile,
         // right after their wait on bar_q, long before they release sQ and this is rewritten)
         if constexpr (kDynamic) next_tile = t_next;
@@ -548,22 +558,23 @@ __global__ void __launch_bounds__(384, 1)
         }
       };
 
-      // Ping-pong (FA3): the two consumer warpgroups take turns issuing their GEMMs, so that
-      // one's softmax runs while the other's GEMMs hold the tensor cores. Warpgroup cw waits on
-      // barrier 3 + cw before a round of issues and then arrives on the other's. The rounds are
-      // the prologue's S, the loop's S + P V pairs and the last P V: n_blocks + 1 per warpgroup.
-      // Warpgroup 0 goes first: warpgroup 1 opens its barrier for the CTA's first tile; its
-      // last arrival of a tile opens warpgroup 0's first round of the next (which then
-      // overlaps warpgroup 1's epilogue), and is skipped after the CTA's last tile, where
-      // nobody would wait for it.
+      // Ping-pong (FA3): the consumer warpgroups take turns issuing their GEMMs, in a ring, so
+      // that one's softmax runs while another's GEMMs hold the tensor cores. Warpgroup cw waits
+      // on barrier 4 + cw before a round of issues and then arrives on the next one's. The
+      // rounds are the prologue's S, the loop's S + P V pairs and the last P V: n_blocks + 1 per
+      // warpgroup. Warpgroup 0 goes first: the last one opens its barrier for the CTA's first
+      // tile; its last arrival of a tile opens warpgroup 0's first round of the next (which
+      // then overlaps the last one's epilogue), and is skipped after the CTA's last tile, where
+      // nobody would wait for it. (Barriers 1 + cw are the epilogues'.)
       const bool last_tile = kDynamic ? t_next >= n_tiles
                              : !kPersistent || t + static_cast<int>(gridDim.x) >= n_tiles;
       int rounds_left = n_blocks + 1;
-      auto turn_begin = [&] { named_barrier_sync(3 + cw, 256); };
+      auto turn_begin = [&] { named_barrier_sync(4 + cw, 256); };
       auto turn_end = [&] {
-        if (cw == 0 || --rounds_left > 0 || !last_tile) named_barrier_arrive(3 + (cw ^ 1), 256);
+        if (cw < kWGs - 1 || --rounds_left > 0 || !last_tile)
+          named_barrier_arrive(4 + (cw + 1) % kWGs, 256);
       };
-      if (cw == 1 && k == 0 && n_blocks > 0) named_barrier_arrive(3, 256);
+      if (cw == kWGs - 1 && k == 0 && n_blocks > 0) named_barrier_arrive(4, 256);
 
       // Intra-warpgroup overlap (FA3): S of tile it and P V of tile it - 1 are in flight
       // together; the softmax of tile it runs while P V still does, and only the O rescale
@@ -650,9 +661,10 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow>
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow,
+          int kWGs>
 bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow>;
+  using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow, kWGs>;
   CUtensorMap tma_q, tma_k, tma_v, tma_o;
   if (!encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
                       p.q_batch_stride, Cfg::kBlockM) ||
@@ -670,7 +682,7 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (Cfg::kDynamic && (p.tile_counter == nullptr ||
                         cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream) != cudaSuccess))
     return false;
-  auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow>;
+  auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow, kWGs>;
   // kDynamic's sections: the query heads whose K and V fill 32 MB of the L2 (the heads of a
   // GQA group share theirs).
   const int64_t kv_bytes =
@@ -695,23 +707,32 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 // compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true, false, false>(p, stream);
+  if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true, false, false, 2>(p, stream);
   // Persistent where it measured faster (NOTES.md, ninth session; A/Bs interleaved in one
   // process): at H = 64 the plain kernel at every length; causal up to T = 4k (1k +12-16%,
   // 4k +3-9%; at 16k -6% at H = 64, level at 128); at H = 128 the plain kernel up to T = 2k,
   // where its 128-key tiles leave room for sO (1k +12%, 4k level, 16k -5% against 176 keys).
+  // At H = 64, 3 consumer warpgroups (192-row tiles) where T's padding to 192 rows costs at
+  // most 15% more rows than to 128: plain +7%, +12%, +16% at 1k, 4k, 16k; causal past 4k +9%
+  // at 16k, while at 1k the 192-row tiles lose 13% and at 4k the persistent kernel measured
+  // level (NOTES.md, eleventh session).
+  if constexpr (kHeadDim == 64) {
+    const int64_t rows192 = (p.t + 191) / 192 * 192, rows128 = (p.t + 127) / 128 * 128;
+    if (20 * rows192 <= 23 * rows128 && (!kCausal || p.t > 4096))
+      return sm90::launch_fwd<T, kHeadDim, kCausal, false, !kCausal, true, 3>(p, stream);
+  }
   if constexpr (kHeadDim == 64 && !kCausal) {
     // 128-key tiles where 192 would pad S by more than 5% beyond what 128 pads it by: at
     // S = 512 and 1k +13% and +9% (1152 keys computed for 1024 otherwise); at 1.5k, 3k and 16k,
     // which 192 divides or nearly, 192 is 2-4% faster (NOTES.md, tenth session).
     const int64_t pad192 = (p.s + 191) / 192 * 192 - p.s, pad128 = (p.s + 127) / 128 * 128 - p.s;
     if (20 * (pad192 - pad128) > p.s)
-      return sm90::launch_fwd<T, kHeadDim, false, false, true, true>(p, stream);
-    return sm90::launch_fwd<T, kHeadDim, false, false, true, false>(p, stream);
+      return sm90::launch_fwd<T, kHeadDim, false, false, true, true, 2>(p, stream);
+    return sm90::launch_fwd<T, kHeadDim, false, false, true, false, 2>(p, stream);
   } else {
     if (p.t <= (kCausal ? 4096 : 2048))
-      return sm90::launch_fwd<T, kHeadDim, kCausal, false, true, kHeadDim == 128 && !kCausal>(p, stream);
-    return sm90::launch_fwd<T, kHeadDim, kCausal, false, false, false>(p, stream);
+      return sm90::launch_fwd<T, kHeadDim, kCausal, false, true, kHeadDim == 128 && !kCausal, 2>(p, stream);
+    return sm90::launch_fwd<T, kHeadDim, kCausal, false, false, false, 2>(p, stream);
   }
 }
 
