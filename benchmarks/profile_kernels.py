@@ -30,17 +30,16 @@ p.add_argument("--rules", action="store_true",
                help="the segments problem's shape with a window and ragged lengths instead of "
                     "ids: the key-range rules kernels (sanitizers)")
 p.add_argument("--many-tiles", action="store_true",
-               help="a ragged GQA problem of 144 query tiles of 1000 rows, more than an H100 "
-                    "has SMs, so that CTAs of the persistent forward (plain, and causal up to "
-                    "1024 rows) run two (sanitizers)")
+               help="a ragged GQA problem of 1400 rows in more query tiles than an H100 has SMs "
+                    "(144 of 192 rows at H = 64, 198 of 128 otherwise), so that CTAs of the "
+                    "persistent forward (plain, and causal up to 4k rows) run two (sanitizers)")
 p.add_argument("--kv", type=int, default=300,
-               help="keys of the --many-tiles problem (250 runs the H = 64 plain forward's "
-                    "128-key tiles, 300 its 192-key ones)")
+               help="keys of the --many-tiles problem")
 p.add_argument("--reps", type=int, default=2)
 a = p.parse_args()
 B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small
                     else (2, 300, 700, 4, 2, a.D) if a.segments or a.rules
-                    else (2, 1000, a.kv, 9, 3, a.D) if a.many_tiles
+                    else (2, 1400, a.kv, 9, 3, a.D) if a.many_tiles
                     else (16384 // a.S, a.S, a.S, 2048 // a.D, 2048 // a.D, a.D))
 ids = {}
 if a.segments:
