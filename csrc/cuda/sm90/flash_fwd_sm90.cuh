@@ -18,6 +18,9 @@
 // start only after that, so at H = 64, where the exp2s (MUFU) take as long as the GEMMs, a
 // third consumer keeps the tensor cores and the MUFU busy while the other two are blocked
 // or in their softmax (FA3's 192-row tiles at H <= 64).
+// At H = 128 the softmax keeps a lazy running max (softmax_lazy): the exp2s of a tile start
+// against the max of the tiles before, without waiting for the tile's own, which moves it
+// only when it has grown by more than 8 (log2 units), so that O is rarely rescaled either.
 // Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
 // causal diagonal) come first; masking is skipped on every other tile.
 // Persistent kernels (kPersistent; run_fwd_sm90 says where): one CTA per SM walks the query
@@ -137,6 +140,10 @@ struct FwdCfgSm90 {
   // 24 + 2 x 240 (24 + 3 x 160) registers per thread of the warpgroups fit the 64K register
   // file; at entry __launch_bounds__(kThreads, 1) gives each thread 168 (128).
   static constexpr int kProducerRegs = 24, kConsumerRegs = kWGs == 2 ? 240 : 160;
+  // The lazy running max (softmax_lazy in the kernel) at H = 128: +7-9% plain at 1k-16k, +6%
+  // and +11% causal at 4k and 16k, level at 1k causal; at H = 64 level to -3% (NOTES.md,
+  // fourteenth session). Not in the rules kernel.
+  static constexpr bool kLazyMax = !kRules && kHeadDim == 128;
   static constexpr int kSwzCols = 64;  // elements in one 128-byte swizzled row
   static constexpr int kColBlocks = kHeadDim / kSwzCols;
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
@@ -470,12 +477,9 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(bar_empty_v + 8 * ((kv_base + it) % kStages));
       };
-      // Online softmax of a completed S: keys >= S and under causal keys s > t (or what the
-      // rules hide) set to -inf, only on tiles that need it, then the new running max m of the
-      // log2-scaled logits, l rescaled and P = 2^(S * scale_log2 - m) in place, one FFMA and one
-      // exp2 per element (the FP32 and MUFU pipes, not the tensor cores, bound this step);
-      // corr = 2^(m_old - m_new) is left for O, which may still be accumulating the previous tile.
-      auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
+      // Keys >= S and under causal keys s > t (or what the rules hide) set to -inf in a
+      // completed S, only on tiles that need it.
+      auto mask_tile = [&](float (&acc_s)[kNS], int it) {
         const int n0 = (kRules ? seg.tile[(kv_base + it) % kStages] : j_lo + n_blocks - 1 - it) *
                        kBlockN;
         if constexpr (kRules) {
@@ -509,16 +513,27 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
             }
           }
         } else if (n0 + kBlockN > s_len || (kCausal && n0 + kBlockN - 1 > m0 + wr)) {
-          const int kv_limit = s_len - n0;  // tile-relative key bound
-          const int diag = m0 + wr - n0;    // column col is hidden from warp row r when col - r > diag
+          // Element (i, c) is column 8 i + c % 2 + 2 tig of warp row 8 (c / 2) + g; with this
+          // thread's offsets moved into the bounds every test compares a constant (kept as
+          // col - row per element, the 64 differences spilled in the 3-consumer kernel).
+          const int kv_lim = s_len - n0 - 2 * tig;          // hidden: 8 i + c % 2 >= kv_lim
+          const int diag_lim = m0 + wr - n0 + g - 2 * tig;  // hidden: 8 i + c % 2 - 8 (c / 2) > diag_lim
 #pragma unroll
           for (int i = 0; i < kNS / 4; ++i)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-              const int col = 8 * i + 2 * tig + c % 2, row = g + 8 * (c / 2);
-              if (col >= kv_limit || (kCausal && col - row > diag)) acc_s[4 * i + c] = -INFINITY;
+              const int col = 8 * i + c % 2;
+              if (col >= kv_lim || (kCausal && col - 8 * (c / 2) > diag_lim))
+                acc_s[4 * i + c] = -INFINITY;
             }
         }
+      };
+      // Online softmax of a completed S, masked: the new running max m of the log2-scaled
+      // logits, l rescaled and P = 2^(S * scale_log2 - m) in place, one FFMA and one exp2 per
+      // element (the FP32 and MUFU pipes, not the tensor cores, bound this step); corr =
+      // 2^(m_old - m_new) is left for O, which may still be accumulating the previous tile.
+      auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
+        mask_tile(acc_s, it);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float mx = -INFINITY;  // of the raw logits: the scale is positive
@@ -539,6 +554,89 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
               row_sum[h] += acc_s[4 * i + c];
             }
         }
+      };
+      // S of tile it again, this warp's 16 rows only, by mma.sync from sQ and the K stage (the
+      // accumulator layouts agree: n8 block i of m16n8 is elements 4 i .. 4 i + 3).
+      auto recompute_s = [&](float (&acc_s)[kNS], int it) {
+        const uint32_t sk = sK + ((kv_base + it) % kStages) * Cfg::kKVBytes;
+        // The lane read here, not hoisted: ptxas would otherwise keep this rare path's
+        // addresses in registers across the loop (and spill in the hot one).
+        const int lane = lane_id_volatile();
+        const int j = lane / 8;  // ldmatrix: this lane's row address is for matrix j, row lane % 8
+#pragma unroll
+        for (int i = 0; i < kNS; ++i) acc_s[i] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          const uint32_t cb = kk / 4, chunk = (kk % 4) * 2;  // column block, first 16-byte chunk
+          // A (16 rows x k16): matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), row-major
+          const int qr = wr + (j % 2) * 8 + lane % 8;
+          uint32_t a[4];
+          ldmatrix_x4(a, sQ + cb * kBlockM * kRowBytes + qr * kRowBytes +
+                             (((chunk + j / 2) ^ (qr % 8)) * 16));
+#pragma unroll
+          for (int i = 0; i < kNS / 4; i += 2) {
+            // B of n8 blocks i, i + 1: matrices (keys 8 i .. | 8 i + 8 ..) x (k 0-7 | 8-15)
+            const int key = 8 * i + (j / 2) * 8 + lane % 8;
+            uint32_t b[4];
+            ldmatrix_x4(b, sk + cb * kBlockN * kRowBytes + key * kRowBytes +
+                               (((chunk + j % 2) ^ (key % 8)) * 16));
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+              float d[4] = {acc_s[4 * (i + n)], acc_s[4 * (i + n) + 1], acc_s[4 * (i + n) + 2],
+                            acc_s[4 * (i + n) + 3]};
+              const uint32_t bn[2] = {b[2 * n], b[2 * n + 1]};
+              mma_16816<T>(d, a, bn);
+#pragma unroll
+              for (int c = 0; c < 4; ++c) acc_s[4 * (i + n) + c] = d[c];
+            }
+          }
+        }
+      };
+      // The online softmax with a lazy running max m (FA4's rule, without waiting for the
+      // tile's max): P = 2^(S * scale_log2 - m) against the m of the tiles before, the tile's
+      // max found beside the exp2s instead of before them. Only where a row's max passes m + 8
+      // (warp-wide) does m move, P and l by 2^(m_old - m_new). P <= 2^8 fits every input
+      // dtype. Returns 0 (O keeps its scale), 1 (O needs the rescale by corr) or, where a row's
+      // max passed m + 120 and the exp2s may have overflowed, 2: S is to be computed again
+      // (recompute_s) and take the exact path. Every row of the warp has a finite m (a
+      // visible key in an earlier tile).
+      auto softmax_lazy = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
+        mask_tile(acc_s, it);
+        float mx[2] = {-INFINITY, -INFINITY}, tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int h = c / 2;
+            mx[h] = fmaxf(mx[h], acc_s[4 * i + c]);
+            acc_s[4 * i + c] = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -row_max[h]));
+            tile_sum[h] += acc_s[4 * i + c];
+          }
+        bool grow = false, overflow = false;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          mx[h] = quad_max(mx[h]) * p.scale_log2;
+          grow |= mx[h] > row_max[h] + 8.f;
+          overflow |= mx[h] > row_max[h] + 120.f;
+        }
+        if (!__any_sync(0xffffffffu, grow)) {
+          row_sum[0] += tile_sum[0];
+          row_sum[1] += tile_sum[1];
+          return 0;
+        }
+        if (__any_sync(0xffffffffu, overflow)) return 2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m_new = fmaxf(row_max[h], mx[h]);
+          corr[h] = exp2_approx(row_max[h] - m_new);
+          row_max[h] = m_new;
+          row_sum[h] = (row_sum[h] + tile_sum[h]) * corr[h];
+        }
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc_s[4 * i + c] *= corr[c / 2];
+        return 1;
       };
       auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
@@ -600,13 +698,20 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         turn_end();
         wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
         fence_regs(acc_s);
-        if (!kRules) release_k(it);
-        softmax(acc_s, it, corr);
-        if (kRules) release_k(it);
+        // K stays held through the softmax where it may be read again (recompute_s, the
+        // rules' stage data).
+        constexpr bool kHoldK = kRules || Cfg::kLazyMax;
+        if (!kHoldK) release_k(it);
+        int lazy = -1;  // softmax_lazy's answer; -1: not tried (the exact path on this S)
+        if (Cfg::kLazyMax && __all_sync(0xffffffffu, row_max[0] != -INFINITY && row_max[1] != -INFINITY))
+          lazy = softmax_lazy(acc_s, it, corr);
+        if (lazy == 2) recompute_s(acc_s, it);
+        if (lazy < 0 || lazy == 2) softmax(acc_s, it, corr);
+        if (kHoldK) release_k(it);
         wgmma_wait<0>();
         fence_regs(acc_o);
         release_v(it - 1);
-        rescale_o(corr);
+        if (lazy != 0) rescale_o(corr);
         convert_p(acc_s, rP);
       }
       if (n_blocks > 0) {
@@ -714,12 +819,16 @@ bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // where its 128-key tiles leave room for sO (1k +12%, 4k level, 16k -5% against 176 keys).
   // At H = 64, 3 consumer warpgroups (192-row tiles) where T's padding to 192 rows costs at
   // most 15% more rows than to 128: plain +7%, +12%, +16% at 1k, 4k, 16k; causal past 4k +9%
-  // at 16k, while at 1k the 192-row tiles lose 13% and at 4k the persistent kernel measured
-  // level (NOTES.md, eleventh session).
+  // at 16k (NOTES.md, eleventh session), and from 2k to 4k persistent, +3% at 2k and +9% at
+  // 4k once its mask test stopped spilling, while at 1k the 192-row tiles lose 7% (fourteenth
+  // session).
   if constexpr (kHeadDim == 64) {
     const int64_t rows192 = (p.t + 191) / 192 * 192, rows128 = (p.t + 127) / 128 * 128;
-    if (20 * rows192 <= 23 * rows128 && (!kCausal || p.t > 4096))
-      return sm90::launch_fwd<T, kHeadDim, kCausal, false, !kCausal, true, 3>(p, stream);
+    if (20 * rows192 <= 23 * rows128 && (!kCausal || p.t >= 2048)) {
+      if (kCausal && p.t > 4096)
+        return sm90::launch_fwd<T, kHeadDim, kCausal, false, false, true, 3>(p, stream);
+      return sm90::launch_fwd<T, kHeadDim, kCausal, false, true, true, 3>(p, stream);
+    }
   }
   if constexpr (kHeadDim == 64 && !kCausal) {
     // 128-key tiles where 192 would pad S by more than 5% beyond what 128 pads it by: at

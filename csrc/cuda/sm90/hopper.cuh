@@ -95,6 +95,14 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t sr
       : "memory");
 }
 
+// The lane index from %laneid by a volatile asm, which ptxas neither hoists nor merges: for
+// rare paths whose per-lane addresses should be computed where they are used.
+__device__ __forceinline__ int lane_id_volatile() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  return lane;
+}
+
 __device__ __forceinline__ void sts_f32x2(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
 }
