@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
-# (gpu-suite, gpu-suite-sm80, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-seg,
+# (gpu-suite, gpu-suite-sm80, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-lazy, sanitize-seg,
 # sanitize-hdims, stalls, ab, ...), each logged under $OUT.
 # ab: AB="base new" times the builds .gl/ext_base.so.xz, .gl/ext_new.so.xz one after the other
 # (jaxflash alone, D 64/128, S 4k/16k, both directions) and leaves the last one installed.
@@ -85,6 +85,11 @@ for stage in "$@"; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --small --D $D $c --reps 1 2>&1 | tail -2 \
             | sed "s/^/$tool D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
+    # the D=128 forward's lazy max over many key tiles, its rescale and S-recompute paths taken
+    sanitize-lazy) for tool in memcheck racecheck; do for c in "" --causal; do
+          timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 \
+            benchmarks/profile_kernels.py --many-tiles --kv 700 --jump --D 128 $c --reps 1 2>&1 \
+            | tail -2 | sed "s/^/$tool lazy D=128 $c: /" | tee -a "$OUT/sanitize.log"; done; done ;;
     sanitize-seg) for tool in memcheck racecheck; do for D in 64 128; do for c in "" --causal; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --segments --D $D $c --reps 1 2>&1 | tail -2 \

@@ -35,6 +35,10 @@ p.add_argument("--many-tiles", action="store_true",
                     "persistent forward (plain, and causal up to 4k rows) run two (sanitizers)")
 p.add_argument("--kv", type=int, default=300,
                help="keys of the --many-tiles problem")
+p.add_argument("--jump", action="store_true",
+               help="keys below 64 scaled 40x and below 320 3x, so that row maxima jump as the "
+                    "key tiles are visited: the D=128 forward's lazy max rescales and recomputes "
+                    "S (sanitizers, with --many-tiles --kv 700)")
 p.add_argument("--reps", type=int, default=2)
 a = p.parse_args()
 B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small
@@ -51,6 +55,9 @@ if a.rules:
 keys = jax.random.split(jax.random.PRNGKey(0), 4)
 q = jax.random.normal(keys[0], (B, T, N, D), jnp.bfloat16)
 k = jax.random.normal(keys[1], (B, S, K, D), jnp.bfloat16)
+if a.jump:
+  key = jnp.arange(S)[None, :, None, None]
+  k = (k * jnp.where(key < 64, 40.0, jnp.where(key < 320, 3.0, 1.0))).astype(jnp.bfloat16)
 Dv = a.Dv or D
 v = jax.random.normal(keys[2], (B, S, K, Dv), jnp.bfloat16)
 dout = jax.random.normal(keys[3], (B, T, N, Dv), jnp.bfloat16)

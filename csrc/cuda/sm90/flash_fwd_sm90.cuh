@@ -63,14 +63,16 @@
 namespace jaxflash::cuda {
 namespace sm90 {
 
-// Key tile widths: 176 (d128) and 192 (d64) keys amortise the softmax's reductions and
+// Key tile widths: 192 keys (the d64 plain kernels) amortise the softmax's reductions and
 // barriers over more work, as in FA3; tiles cut by a diagonal (kMasked: causal or the rules
 // of Rules below) keep 128, so less of each boundary tile is wasted, and so do kNarrow
-// kernels: the persistent d128 one, to leave room for sO, and d64 where S leaves a wide last
-// tile mostly empty (run_fwd_sm90).
+// kernels: the persistent d128 one, to leave room for sO (with the lazy max it measured level
+// to +7% against FA3's 176-key tiles at 2k-16k, fourteenth session), and d64 where S leaves a
+// wide last tile mostly empty (run_fwd_sm90).
 template <int kHeadDim, bool kMasked, bool kNarrow>
 struct FwdTileSm90 {
-  static constexpr int kBlockN = kMasked || kNarrow ? 128 : (kHeadDim == 128 ? 176 : 192);
+  static_assert(kHeadDim == 64 || kMasked || kNarrow, "d128 runs 128-key tiles");
+  static constexpr int kBlockN = kMasked || kNarrow ? 128 : 192;
 };
 
 // Segment ids (query t sees key s only if q_seg[b, t] == kv_seg[b, s]) in the rules kernel.
@@ -815,8 +817,9 @@ bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true, false, false, 2>(p, stream);
   // Persistent where it measured faster (NOTES.md, ninth session; A/Bs interleaved in one
   // process): at H = 64 the plain kernel at every length; causal up to T = 4k (1k +12-16%,
-  // 4k +3-9%; at 16k -6% at H = 64, level at 128); at H = 128 the plain kernel up to T = 2k,
-  // where its 128-key tiles leave room for sO (1k +12%, 4k level, 16k -5% against 176 keys).
+  // 4k +3-9%; at 16k -6% at H = 64, level at 128); at H = 128 the plain kernel at every
+  // length, its 128-key tiles leaving room for sO (with the lazy max, against 176-key tiles
+  // one CTA a tile: 2k level, 3k +7%, 4k +6%, 6k +1%, 16k level; fourteenth session).
   // At H = 64, 3 consumer warpgroups (192-row tiles) where T's padding to 192 rows costs at
   // most 15% more rows than to 128: plain +7%, +12%, +16% at 1k, 4k, 16k; causal past 4k +9%
   // at 16k (NOTES.md, eleventh session), and from 2k to 4k persistent, +3% at 2k and +9% at
@@ -838,10 +841,11 @@ bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
     if (20 * (pad192 - pad128) > p.s)
       return sm90::launch_fwd<T, kHeadDim, false, false, true, true, 2>(p, stream);
     return sm90::launch_fwd<T, kHeadDim, false, false, true, false, 2>(p, stream);
+  } else if constexpr (!kCausal) {  // H = 128
+    return sm90::launch_fwd<T, kHeadDim, false, false, true, true, 2>(p, stream);
   } else {
-    if (p.t <= (kCausal ? 4096 : 2048))
-      return sm90::launch_fwd<T, kHeadDim, kCausal, false, true, kHeadDim == 128 && !kCausal, 2>(p, stream);
-    return sm90::launch_fwd<T, kHeadDim, kCausal, false, false, false, 2>(p, stream);
+    if (p.t <= 4096) return sm90::launch_fwd<T, kHeadDim, true, false, true, false, 2>(p, stream);
+    return sm90::launch_fwd<T, kHeadDim, true, false, false, false, 2>(p, stream);
   }
 }
 

@@ -4,7 +4,7 @@ Each N needs an asm statement listing its N/2 accumulator registers, which the C
 preprocessor cannot count out, hence a generator. Run: python3 gen_wgmma.py > wgmma_gen.h
 """
 
-SS_N = (64, 128, 176, 192)  # S = Q K^T: N = kBlockN; backward S^T = K Q^T: N = kBlockM
+SS_N = (64, 128, 192)       # S = Q K^T: N = kBlockN; backward S^T = K Q^T: N = kBlockM
 RS_N = (64, 128)            # O += P V, backward dV += P^T dO, dK += dS^T Q: N = head dim
 TT_N = (64,)                # backward dQ = dS K, both operands MN-major: N = 64 columns of dQ
 FORMS = (("ss", SS_N), ("tt", TT_N), ("rs", RS_N))
