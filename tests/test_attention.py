@@ -47,17 +47,18 @@ def test_forward_and_grads(impl, dtype, is_causal, shape):
 # the others', past any exp2 range (the max moves by hundreds of log2 units), keys below 320
 # 3x (it moves by a few). The forwards are persistent but at T = 4200 causal (a CTA a tile).
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(1, 300, 700, 4, 2, 128), (1, 4200, 800, 2, 1, 128)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_logits_jumping_along_keys(impl, is_causal, shape):
+def test_logits_jumping_along_keys(impl, dtype, is_causal, shape):
   B, T, S, N, K, H = shape
-  _supported(impl, jnp.bfloat16, H)
-  q, k, v = random_qkv(11, B, T, S, N, K, H, jnp.bfloat16)
+  _supported(impl, dtype, H)
+  q, k, v = random_qkv(11, B, T, S, N, K, H, dtype)
   key = jnp.arange(S)[None, :, None, None]
   k = (k.astype(jnp.float32) * jnp.where(key < 64, 40.0, jnp.where(key < 320, 3.0, 1.0)))
-  k = k.astype(jnp.bfloat16)
-  dout = jax.random.normal(jax.random.PRNGKey(5), (B, T, N, H), jnp.float32).astype(jnp.bfloat16)
+  k = k.astype(dtype)
+  dout = jax.random.normal(jax.random.PRNGKey(5), (B, T, N, H), jnp.float32).astype(dtype)
   dlse = jax.random.normal(jax.random.PRNGKey(6), (B, N, T), jnp.float32)
   assert_matches_reference(impl, q, k, v, dout, dlse, is_causal=is_causal)
 
