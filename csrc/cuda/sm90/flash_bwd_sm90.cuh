@@ -13,7 +13,8 @@
 //       P^T = 2^(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - delta)   (registers)
 //       dV += P^T dO, dK += dS^T Q                       (64, H), A from registers
 //       dQ = dS K over both warpgroups' 128 keys         (64, 64) per warpgroup, dS^T through
-//                                                        smem, both operands MN-major
+//                                                        smem, both operands MN-major (H = 128:
+//                                                        dQ^T = K^T dS^T, dS through smem)
 //     and store dQ (fp32) into a shared tile, which warp 1 of warpgroup 0, the dQ writer,
 //     adds into dq_accum with TMA reduce-adds (one per 32 columns, done in the L2): the
 //     consumers issue no atomics and go on to the next step's S^T while the tile drains.
@@ -336,6 +337,12 @@ __global__ void __launch_bounds__(384, 1)
     constexpr int kKM = kBlockM / 16;  // k16 steps of dV, dK (over the queries)
     // dQ of this warpgroup: (64, 64) at query row dq_row0, column dq_col0 of the step's tile.
     const int dq_row0 = kHeadDim == 64 ? 64 * cw : 0, dq_col0 = kHeadDim == 128 ? 64 * cw : 0;
+    // H = 128 computes it transposed, dQ^T = K^T dS^T (A = K's column block dq_col0 / 64 read
+    // MN-major, B = dS stored with the queries as rows, read K-major), storing dS by stmatrix:
+    // 11% fewer instructions a step than dQ = dS K with dS^T stored by 32-bit stores, +0.5-2%
+    // at 1k-16k over 4 A/B runs; at H = 64 (128 queries a step, split by rows) it measured 1-4%
+    // slower (NOTES.md, fifteenth session).
+    constexpr bool kDQT = kHeadDim == 128;
     const int key_row = n0 + 64 * cw + 16 * wi + g;  // this thread's keys: key_row, key_row + 8
 
     float acc_dv[kNKV], acc_dk[kNKV];
@@ -343,8 +350,8 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < kNKV; ++i) acc_dv[i] = acc_dk[i] = 0.f;
     // Operand descriptors at stage 0 (the step's are desc_at offsets of these): this
     // warpgroup's rows of K and V (K-major), the Q, dO stages K-major (S^T, dP^T) and MN-major
-    // (dK, dV: column blocks kBlockM rows apart), dS^T's column block dq_row0 / 64 and K's
-    // dq_col0 / 64 for dQ (MN-major).
+    // (dK, dV: column blocks kBlockM rows apart), K's column block dq_col0 / 64 (MN-major) and
+    // for dQ either dS^T's column block dq_row0 / 64 (MN-major) or dS (kDQT, K-major).
     const uint64_t d_k_rows = sw128_desc(sK + 64 * cw * kRowBytes, 16, 1024);
     const uint64_t d_v_rows = sw128_desc(sV + 64 * cw * kRowBytes, 16, 1024);
     const uint64_t d_q = sw128_desc(sQ, 16, 1024), d_do = sw128_desc(sdO, 16, 1024);
@@ -352,6 +359,7 @@ __global__ void __launch_bounds__(384, 1)
     const uint64_t d_do_mn = sw128_desc(sdO, kBlockM * kRowBytes, 1024);
     const uint64_t d_ds = sw128_desc(sdS + (dq_row0 / 64) * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
     const uint64_t d_k_dq = sw128_desc(sK + (dq_col0 / 64) * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
+    const uint64_t d_dsq = sw128_desc(sdS, 16, 1024);
     mbar_wait(bar_kv, 0);
 
     for (int it = 0; it < n_steps; ++it) {
@@ -495,34 +503,52 @@ __global__ void __launch_bounds__(384, 1)
             acc_dv, rP[kk], desc_at(d_do_mn, stage + kk * 16 * kRowBytes), 1);
       wgmma_commit();
 
-      // dS^T into shared buffer it % 2, rows = keys. The other warpgroup last read this buffer
-      // in its dQ of step it - 2, which it waited for before the barrier of step it - 1: one
-      // barrier per step suffices.
+      // dS^T into shared buffer it % 2, rows = keys (kDQT: dS, (kBlockN / 64 column blocks of
+      // keys, kBlockM, 64)). The other warpgroup last read this buffer in its dQ of step it - 2,
+      // which it waited for before the barrier of step it - 1: one barrier per step suffices.
       const uint32_t ds_buf = (it % 2) * Cfg::kDSBytes;
       const uint32_t sdS_b = sdS + ds_buf;
+      if constexpr (kDQT) {
+        // rdS[kk] holds the 8 x 8 blocks (query block 2 kk + j / 2, key rows 16 wi + 8 (j % 2)),
+        // j = 0 .. 3; lane l stores row l % 8 of block l / 8 transposed: 8 keys of one query.
+        // Query 16 kk + 8 (j / 2) + l % 8 is 16 kk rows past this lane's row at kk = 0.
+        const int j = lane / 8, q = 8 * (j / 2) + lane % 8;
+        const uint32_t at = sdS_b + cw * kBlockM * kRowBytes + q * kRowBytes +
+                            (((2 * wi + j % 2) ^ (q % 8)) * 16);
 #pragma unroll
-      for (int i = 0; i < kNS / 4; ++i)
+        for (int kk = 0; kk < kKM; ++kk) stmatrix_x4_trans(at + kk * 16 * kRowBytes, rdS[kk]);
+      } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = 64 * cw + 16 * wi + g + 8 * h;
-          const uint32_t off = (i / 8) * kBlockN * kRowBytes + row * kRowBytes +
-                               (((i % 8) ^ (row % 8)) * 16) + tig * 4;
-          bwd::sts_u32(sdS_b + off, rdS[i / 2][2 * (i % 2) + h]);
-        }
+        for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = 64 * cw + 16 * wi + g + 8 * h;
+            const uint32_t off = (i / 8) * kBlockN * kRowBytes + row * kRowBytes +
+                                 (((i % 8) ^ (row % 8)) * 16) + tig * 4;
+            bwd::sts_u32(sdS_b + off, rdS[i / 2][2 * (i % 2) + h]);
+          }
+      }
       fence_proxy_async();
       named_barrier_sync(1, 256);
 
       // dQ = dS K: (64, 64) per warpgroup, K = 128 keys in k16 steps of 16 rows; A = dS^T's
       // column block dq_row0 / 64 read MN-major (M = queries contiguous), B = K's column block
-      // dq_col0 / 64 read MN-major (N = H contiguous).
+      // dq_col0 / 64 read MN-major (N = H contiguous). kDQT: dQ^T = K^T dS^T, A = that block of
+      // K (M = H contiguous), B = dS K-major (its key column blocks kBlockM rows apart).
       float acc_dq[32];
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        Wgmma<64>::template tt<T>(
-            acc_dq,
-            desc_at(d_ds, ds_buf + kk * 16 * kRowBytes), desc_at(d_k_dq, kk * 16 * kRowBytes),
-            kk > 0);
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        if constexpr (kDQT)
+          Wgmma<64>::template ts<T>(
+              acc_dq, desc_at(d_k_dq, kk * 16 * kRowBytes),
+              desc_at(d_dsq, ds_buf + (kk / 4) * kBlockM * kRowBytes + (kk % 4) * 32), kk > 0);
+        else
+          Wgmma<64>::template tt<T>(
+              acc_dq,
+              desc_at(d_ds, ds_buf + kk * 16 * kRowBytes), desc_at(d_k_dq, kk * 16 * kRowBytes),
+              kk > 0);
+      }
       wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < kKM; ++kk)
@@ -534,27 +560,47 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(acc_dv);
 
       // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
-      // writer has read step it - 1's; element 4 i + 2 h of acc_dq sits 8 h rows and 8 i
-      // columns past this thread's first (row dq_row0 + 16 wi + g, column dq_col0 + 2 tig).
+      // writer has read step it - 1's. Row r of a column block holds 16-byte chunk c at
+      // c ^ (r % 8).
       if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
-      // Row r of a column block holds 16-byte chunk c at c ^ (r % 8), and r % 8 = g; column
-      // 8 i + 2 tig is chunk 2 (i % 4) + tig / 2, so its swizzled byte offset in the row is
-      // this thread's offset for i % 4 = 0, XOR 32 (i % 4). A float2 store is served a
-      // half-warp (4 rows) at a time, and rows g, g ^ 1 put the same i in the same banks: so
-      // odd rows store i ^ 2 (XOR 64) when even rows store i, and each half-warp's 4 rows fill
-      // 4 distinct 32-byte bank groups (1 wavefront, not 2).
-      const bool odd = g & 1;
-      const uint32_t sdq_thread = (sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
-                                   (dq_row0 + 16 * wi + g) * kRowBytes +
-                                   (((tig / 2) ^ g) * 16 + (tig % 2) * 8)) ^ (odd ? 64 : 0);
+      if constexpr (kDQT) {
+        // acc_dq element 4 i + c is dQ at row q = 8 i + 2 tig + c % 2, column d = dq_col0 +
+        // 16 wi + g + 8 (c / 2), in chunk (d % 32) / 4 ^ (q % 8) of row q. A warp's 32 stores
+        // of one element fall in 32 distinct banks: the chunk differs along g / 4 and tig,
+        // d % 4 = g % 4 picks the bank in it. q % 8 = 2 tig + c % 2 for every i, so each
+        // (c / 2, c % 2) needs one address, 8 i rows on.
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int e = 4 * i + 2 * h, e2 = 4 * (i ^ 2) + 2 * h;  // selects, not an index
-          sts_f32x2((sdq_thread ^ ((i % 4) * 32)) + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes,
-                    odd ? acc_dq[e2] : acc_dq[e], odd ? acc_dq[e2 + 1] : acc_dq[e + 1]);
-        }
+          for (int e = 0; e < 2; ++e) {
+            const int d = dq_col0 + 16 * wi + g + 8 * h, q = 2 * tig + e;
+            const uint32_t at = sdQ + (d / 32) * kBlockM * kRowBytes + q * kRowBytes +
+                                ((((d % 32) / 4) ^ q) * 16) + (d % 4) * 4;
+#pragma unroll
+            for (int i = 0; i < kBlockM / 8; ++i)
+              sts_f32(at + i * 8 * kRowBytes, acc_dq[4 * i + 2 * h + e]);
+          }
+      } else {
+        // Element 4 i + 2 h of acc_dq sits 8 h rows and 8 i columns past this thread's first
+        // (row dq_row0 + 16 wi + g, column 2 tig), and r % 8 = g; column 8 i + 2 tig is chunk
+        // 2 (i % 4) + tig / 2, so its swizzled byte offset in the row is this thread's offset
+        // for i % 4 = 0, XOR 32 (i % 4). A float2 store is served a half-warp (4 rows) at a
+        // time, and rows g, g ^ 1 put the same i in the same banks: so odd rows store i ^ 2
+        // (XOR 64) when even rows store i, and each half-warp's 4 rows fill 4 distinct 32-byte
+        // bank groups (1 wavefront, not 2).
+        const bool odd = g & 1;
+        const uint32_t sdq_thread = (sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
+                                     (dq_row0 + 16 * wi + g) * kRowBytes +
+                                     (((tig / 2) ^ g) * 16 + (tig % 2) * 8)) ^ (odd ? 64 : 0);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int e = 4 * i + 2 * h, e2 = 4 * (i ^ 2) + 2 * h;  // selects, not an index
+            sts_f32x2((sdq_thread ^ ((i % 4) * 32)) + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes,
+                      odd ? acc_dq[e2] : acc_dq[e], odd ? acc_dq[e2 + 1] : acc_dq[e + 1]);
+          }
+      }
       fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_dq_full);

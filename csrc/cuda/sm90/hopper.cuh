@@ -107,6 +107,19 @@ __device__ __forceinline__ void sts_f32x2(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
 }
 
+__device__ __forceinline__ void sts_f32(uint32_t addr, float x) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(x));
+}
+
+// Four 8x8 16-bit matrices, each transposed on the way: register i holds matrix i in the
+// mma fragment layout (lane l: row l / 4, columns 2 (l % 4) and + 1), and lane l gives the
+// address of row l % 8 of stored matrix l / 8 (16 bytes: a column of the fragment).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // Adds the shared tile at src element-wise into the box at coordinates (c0 innermost .. c3)
 // of a rank-4 tensor map, in the L2 with eviction priority `hint` (elements out of bounds are
 // skipped); tracked by this thread's bulk async-groups.
