@@ -507,6 +507,7 @@ def test_cuda_routing_of_variants(monkeypatch, impl, kwargs, attr):
   monkeypatch.setattr(attention_mod._ffi, "cuda_built", lambda: True)
   monkeypatch.setattr(attention_mod._ffi, "cuda_head_dims", lambda: (H,))
   monkeypatch.setattr(attention_mod._ffi, "cuda_bwd_head_dims", lambda: (H,))
+  monkeypatch.setattr(attention_mod._ffi, "cuda_dtypes", lambda: ("bfloat16",))
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
   v = jnp.concatenate([v, v[..., : H - HV]], axis=-1)  # equal head dims, as CUDA needs
   loss = lambda q: jnp.sum(jaxflash.attention(q, k, v, implementation=impl, **kwargs)
