@@ -439,9 +439,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // The steps of one key tile it (ring stage it % kStages): tile j = j_lo + n_blocks - 1 - it,
       // in the rules kernel the stage's seg.tile.
       // S = Q K^T: (64, kBlockN) per warpgroup, K = H in k16 steps; committed, not waited for.
-      // half_c true: the tile's first kBlockN / 2 keys only, into an acc_s of half the size.
-      auto issue_qk = [&](auto& acc_s, int it, auto half_c) {
-        constexpr int kN = decltype(half_c)::value ? kBlockN / 2 : kBlockN;
+      auto issue_qk = [&](float (&acc_s)[kNS], int it) {
         const int q = kv_base + it;
         const uint32_t stage = (q % kStages) * Cfg::kKVBytes;
         mbar_wait(bar_k + 8 * (q % kStages), (q / kStages) & 1);
@@ -449,15 +447,15 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           const uint32_t col = (kk % 4) * 32;  // byte offset of k16 step kk inside a 128-byte row
-          Wgmma<kN>::template ss<T>(acc_s, desc_at(d_q, (kk / 4) * kBlockM * kRowBytes + col),
-                                    desc_at(d_k, stage + (kk / 4) * kBlockN * kRowBytes + col),
-                                    kk > 0);
+          Wgmma<kBlockN>::template ss<T>(acc_s, desc_at(d_q, (kk / 4) * kBlockM * kRowBytes + col),
+                                         desc_at(d_k, stage + (kk / 4) * kBlockN * kRowBytes + col),
+                                         kk > 0);
         }
         wgmma_commit();
       };
       // O += P V: K = kBlockN keys in k16 steps of 16 rows (2 swizzle atoms, 2048 bytes) of
       // every column block; N = H, the column blocks LBO = kBlockN * 128 bytes apart.
-      auto issue_pv = [&](const uint32_t (&rP)[kBlockN / 16][4], int it, bool half) {
+      auto issue_pv = [&](const uint32_t (&rP)[kBlockN / 16][4], int it) {
         const int q = kv_base + it;
         const uint32_t stage = (q % kStages) * Cfg::kKVBytes;
         mbar_wait(bar_v + 8 * (q % kStages), (q / kStages) & 1);
@@ -465,8 +463,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          if (kk < kBlockN / 32 || !half)
-            Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], desc_at(d_v, stage + kk * 16 * kRowBytes), 1);
+          Wgmma<kHeadDim>::template rs<T>(acc_o, rP[kk], desc_at(d_v, stage + kk * 16 * kRowBytes), 1);
         }
         wgmma_commit();
       };
@@ -483,8 +480,8 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         if (lane == 0) mbar_arrive(bar_empty_v + 8 * ((kv_base + it) % kStages));
       };
       // Keys >= S and under causal keys s > t (or what the rules hide) set to -inf in a
-      // completed S, only on tiles that need it; only S's element groups i < live.
-      auto mask_tile = [&](float (&acc_s)[kNS], int it, int live) {
+      // completed S, only on tiles that need it.
+      auto mask_tile = [&](float (&acc_s)[kNS], int it) {
         const int n0 = (kRules ? seg.tile[(kv_base + it) % kStages] : j_lo + n_blocks - 1 - it) *
                        kBlockN;
         if constexpr (kRules) {
@@ -524,7 +521,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
           const int kv_lim = s_len - n0 - 2 * tig;          // hidden: 8 i + c % 2 >= kv_lim
           const int diag_lim = m0 + wr - n0 + g - 2 * tig;  // hidden: 8 i + c % 2 - 8 (c / 2) > diag_lim
 #pragma unroll
-          for (int i = 0; i < live; ++i)
+          for (int i = 0; i < kNS / 4; ++i)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
               const int col = 8 * i + c % 2;
@@ -537,14 +534,13 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // logits, l rescaled and P = 2^(S * scale_log2 - m) in place, one FFMA and one exp2 per
       // element (the FP32 and MUFU pipes, not the tensor cores, bound this step); corr =
       // 2^(m_old - m_new) is left for O, which may still be accumulating the previous tile.
-      // S holds element groups i < live only (kNS / 8: half0 below); P is left 0 past them.
-      auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2], int live) {
-        mask_tile(acc_s, it, live);
+      auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
+        mask_tile(acc_s, it);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float mx = -INFINITY;  // of the raw logits: the scale is positive
 #pragma unroll
-          for (int i = 0; i < live; ++i)
+          for (int i = 0; i < kNS / 4; ++i)
             mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
           mx = fmaxf(row_max[h], quad_max(mx) * p.scale_log2);
           // A row with no visible key so far keeps m = -inf; subtracting 0 then gives P = 0.
@@ -553,7 +549,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
           row_max[h] = mx;
           row_sum[h] *= corr[h];
 #pragma unroll
-          for (int i = 0; i < live; ++i)
+          for (int i = 0; i < kNS / 4; ++i)
 #pragma unroll
             for (int c = 2 * h; c < 2 * h + 2; ++c) {
               acc_s[4 * i + c] = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -m_use));
@@ -607,7 +603,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // (recompute_s) and take the exact path. Every row of the warp has a finite m (a
       // visible key in an earlier tile).
       auto softmax_lazy = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
-        mask_tile(acc_s, it, kNS / 4);
+        mask_tile(acc_s, it);
         float mx[2] = {-INFINITY, -INFINITY}, tile_sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < kNS / 4; ++i)
@@ -684,50 +680,23 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // together; the softmax of tile it runs while P V still does, and only the O rescale
       // waits for it.
       uint32_t rP[kBlockN / 16][4];  // P of the previous tile, read by its in-flight P V
-      // half0: the first tile visited (the last key tile) hides its upper 64 keys from every
-      // row of this warpgroup (they are past S, or under causal past its last row: the upper
-      // warpgroup's diagonal tile), so S, the softmax and P V run over the lower 64 only: +1-3%
-      // at 1k-4k causal (NOTES.md, seventeenth session). Persistent kernels only: in the
-      // one-tile ones ptxas serialised the wgmmas (C7511).
-      constexpr bool kHalfTile = kBlockN == 128 && !kRules && kPersistent;
-      bool half0 = false;
-      if constexpr (kHalfTile) {
-        const int n0 = (n_blocks - 1) * kBlockN;
-        half0 = n0 + 64 >= s_len || (kCausal && n0 + 64 > m0 + 64 * cw + 63);
-      }
       if (n_blocks > 0) {
         float acc_s[kNS], corr[2];
         turn_begin();
-        if (half0) {
-          if constexpr (kHalfTile) {
-            float acc_h[kNS / 2];
-            issue_qk(acc_h, 0, std::true_type{});
-            turn_end();
-            wgmma_wait<0>();
-            fence_regs(acc_h);
-#pragma unroll
-            for (int i = 0; i < kNS / 2; ++i) acc_s[i] = acc_h[i], acc_s[kNS / 2 + i] = 0.f;
-          }
-        } else {
-          issue_qk(acc_s, 0, std::false_type{});
-          turn_end();
-          wgmma_wait<0>();
-          fence_regs(acc_s);
-        }
+        issue_qk(acc_s, 0);
+        turn_end();
+        wgmma_wait<0>();
+        fence_regs(acc_s);
         if (!kRules) release_k(0);
-        // O is still 0: no rescale
-        if (half0)
-          softmax(acc_s, 0, corr, kNS / 8);
-        else
-          softmax(acc_s, 0, corr, kNS / 4);
+        softmax(acc_s, 0, corr);  // O is still 0: no rescale
         if (kRules) release_k(0);
         convert_p(acc_s, rP);
       }
       for (int it = 1; it < n_blocks; ++it) {
         float acc_s[kNS], corr[2];
         turn_begin();
-        issue_qk(acc_s, it, std::false_type{});
-        issue_pv(rP, it - 1, it == 1 && half0);
+        issue_qk(acc_s, it);
+        issue_pv(rP, it - 1);
         turn_end();
         wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
         fence_regs(acc_s);
@@ -739,7 +708,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         if (Cfg::kLazyMax && __all_sync(0xffffffffu, row_max[0] != -INFINITY && row_max[1] != -INFINITY))
           lazy = softmax_lazy(acc_s, it, corr);
         if (lazy == 2) recompute_s(acc_s, it);
-        if (lazy < 0 || lazy == 2) softmax(acc_s, it, corr, kNS / 4);
+        if (lazy < 0 || lazy == 2) softmax(acc_s, it, corr);
         if (kHoldK) release_k(it);
         wgmma_wait<0>();
         fence_regs(acc_o);
@@ -749,7 +718,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       }
       if (n_blocks > 0) {
         turn_begin();
-        issue_pv(rP, n_blocks - 1, n_blocks == 1 && half0);
+        issue_pv(rP, n_blocks - 1);
         turn_end();
         wgmma_wait<0>();
         fence_regs(acc_o);
