@@ -34,13 +34,14 @@ for stage in "$@"; do
         done; done ;;
     # The whole GPU suite in 12 workers (compiling dominates: no GEMM autotuning, memory on
     # demand), the >2^31-element tests alone first; then the plain-attention tests again on the
-    # sm80 kernels. Failures print as they happen.
-    gpu-suite) export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0
+    # sm80 kernels. Failures print as they happen. The flags stay in a subshell: a sweep after
+    # it times every library with XLA's defaults.
+    gpu-suite) ( export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0
         timeout 200 python3 -m pytest -q -m gpu -rfE --timeout 150 -p no:cacheprovider \
           tests/test_gpu.py 2>&1 | tee "$OUT/gpu_suite.log" | tail -4
         timeout 480 python3 -m pytest -v -m gpu -rfE -n 12 --timeout 300 -p no:cacheprovider \
           --ignore tests/test_gpu.py tests 2>&1 | tee -a "$OUT/gpu_suite.log" \
-          | grep -E "FAILED|ERROR|passed|failed" ;;
+          | grep -E "FAILED|ERROR|passed|failed" ) ;;
     gpu-suite-sm80) XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
         JAXFLASH_DISABLE_SM90=1 timeout 300 python3 -m pytest -v -m gpu -rfE -n 12 --timeout 300 \
         -p no:cacheprovider tests/test_attention.py tests/test_transforms.py 2>&1 \
