@@ -92,6 +92,10 @@ struct BwdParams : FwdParams {
   float* dalibi_accum = nullptr; // (B, N, key tiles): dalibi of each key tile, summed in order
   int* dq_turn = nullptr;        // (B, N, query tiles): deterministic dQ, contributors done so far
   int* kv_seg_range = nullptr;   // (B, key tiles, 2): min and max segment id of each key tile
+  // (B, N, ceil(T / 64)): the sm90 causal backward's dQ tickets. With dq_first_store, the
+  // first contribution to a query tile is stored (dq_accum is not zeroed), the rest added.
+  int* dq_ticket = nullptr;
+  bool dq_first_store = false;
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;

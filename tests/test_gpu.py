@@ -72,6 +72,29 @@ def test_persistent_causal_forward():
   assert_accurate("lse", lse, ref_lse, lo_lse, jnp.bfloat16)
 
 
+# Causal backwards whose dq_accum is not zeroed (sm90, up to 2048 keys): each query tile's first
+# dQ is stored by the CTA that claims its ticket and the others add after it. Keys past the
+# queries (no CTA owns the query tiles past S, every visitor may claim), GQA, ragged tiles;
+# run twice so that the second reuses the first's workspace with its values in it.
+@pytest.mark.parametrize("shape", [(2, 1500, 700, 8, 2, 128), (1, 2048, 2048, 8, 8, 64),
+                                   (3, 1000, 1000, 4, 4, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_causal_grads_without_zeroed_dq_accum(shape):
+  B, T, S, N, K, H = shape
+  grads = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(jaxflash.attention(
+      q, k, v, is_causal=True, implementation="cuda").astype(jnp.float32) * do), (0, 1, 2)))
+  ref = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(jaxflash.attention_reference(
+      q, k, v, is_causal=True)[0].astype(jnp.float32) * do), (0, 1, 2)))
+  f32 = lambda x: x.astype(jnp.float32)
+  for seed in (0, 1):
+    q = _rand(20 + seed, (B, T, N, H))
+    k, v = _rand(30 + seed, (B, S, K, H)), _rand(40 + seed, (B, S, K, H))
+    do = jax.random.normal(jax.random.PRNGKey(50 + seed), (B, T, N, H), jnp.float32)
+    got, hi, lo = grads(q, k, v, do), ref(f32(q), f32(k), f32(v), do), ref(q, k, v, do)
+    for name, g, r, l in zip(("dq", "dk", "dv"), got, hi, lo):
+      assert_accurate(name, g, r, l, jnp.bfloat16)
+
+
 # (H, Hv) pairs the CUDA forward runs without a CUDA backward: a value head dim below H other
 # than the MLA 192/128 (and, in a build without them, any bwd_hdim<d> left out).
 FORWARD_ONLY_CANDIDATES = [(128, 64), (256, 128), (96, 32), (192, 64), (256, 192)]

@@ -142,6 +142,9 @@ struct RowChunks {
 // delta[b, n, t] = sum_d dout[b, t, n, d] * o[b, t, n, d] - dlse[b, n, t] (Hv columns), with
 // the forward's fp32 o (p.o_f32) when given, else the stored one;
 // dq_accum[b, t, n, :H] = 0 (rows bwd_width(H) wide; the padding is never read).
+// The sm90 backward's dQ tickets: the tile's first contribution is in dq_accum.
+constexpr int kDqTicketDone = 1 << 30;
+
 template <typename T, int kHeadDim, int kHeadDimV>
 __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
     preprocess_kernel(const BwdParams p) {
@@ -181,7 +184,10 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
       acc += of[i].x * df.x + of[i].y * df.y;
     }
   }
-  if (valid && c < kHeadDim / 8) {
+  // dq_first_store: the kernel stores each query tile's first contribution (tickets, sm90/
+  // flash_bwd_sm90.cuh), so dq_accum needs no zeros.
+  if (p.dq_first_store && idx < p.b * p.n * ((p.t + 63) / 64)) p.dq_ticket[idx] = 0;
+  if (valid && c < kHeadDim / 8 && !p.dq_first_store) {
     float4* dqa = reinterpret_cast<float4*>(p.dq_accum + row * kWidth + c * 8);
     dqa[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     dqa[1] = make_float4(0.f, 0.f, 0.f, 0.f);

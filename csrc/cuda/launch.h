@@ -103,7 +103,7 @@ inline int64_t bias_elements(const FwdParams& p) { return p.bias_strides.outer *
 
 // Element counts of the workspaces a backward call needs beyond delta and dq_accum (0: none).
 struct BwdWorkspace {
-  int64_t dbias_accum = 0, dalibi_accum = 0, dq_turn = 0, kv_seg_range = 0;
+  int64_t dbias_accum = 0, dalibi_accum = 0, dq_turn = 0, kv_seg_range = 0, dq_ticket = 0;
 };
 
 inline BwdWorkspace bwd_workspace(const BwdParams& p) {
@@ -114,6 +114,7 @@ inline BwdWorkspace bwd_workspace(const BwdParams& p) {
   // (deterministic: flash_bwd.cuh dbias_kernel sums a broadcast bias's dbias with no atomics)
   if (p.bias && !dbias_direct(p) && !p.deterministic) w.dbias_accum = bias_elements(p);
   if (p.alibi_slopes) w.dalibi_accum = p.b * p.n * key_tiles;
+  w.dq_ticket = p.b * p.n * ((p.t + 63) / 64);
   if (p.deterministic) {
     w.dq_turn = p.b * p.n * ((p.t + block_m - 1) / block_m);
     if (p.q_segment_ids) w.kv_seg_range = p.b * key_tiles * 2;

@@ -1,6 +1,7 @@
 // FlashAttention-3-style backward for Hopper (sm_90a): TMA loads, wgmma, warp specialization.
 // The passes around the main kernel are the sm80 backward's (../flash_bwd.cuh): delta and
-// dq_accum = 0 before, dq = scale * dq_accum after.
+// dq_accum = 0 before (no zeros where the kernel stores each tile's first dQ: kFirstStore),
+// dq = scale * dq_accum after.
 //
 // A CTA of 3 warpgroups is K/V-stationary: it owns kBlockN = 128 keys of one (batch b, kv head)
 // and loops over the query heads of its group and their (kBlockM, H) query tiles:
@@ -133,7 +134,7 @@ struct BwdCfgSm90 {
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
 };
 
-template <typename T, int kHeadDim, bool kCausal, bool kRules>
+template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kFirstStore = false>
 __global__ void __launch_bounds__(384, 1)
     flash_bwd_sm90_kernel(const BwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
@@ -310,17 +311,47 @@ __global__ void __launch_bounds__(384, 1)
       if (lane == 0) {
         tma_prefetch_desc(&tma_dq);
         StepWalk<Seg> walk;
+        const int m_tiles = (t_len + kBlockM - 1) / kBlockM;
         for (int it = 0; it < n_steps; ++it) {
           walk.next(seg, n_cand);
+          const int n = static_cast<int>(step_head(walk)), m0 = step_m0(walk);
+          // kFirstStore (causal, run_bwd_sm90): dq_accum is not zeroed; a query tile's first contribution is
+          // stored, the others added once its ticket says kDone. The first is the CTA that
+          // claims the ticket (0 -> 1): the tile's own CTA (whose keys start at its rows, at
+          // its first steps) claims at once, any other only if the tile is not done by the time
+          // it gets there (a causal head's CTAs reach a tile steps apart). A CTA only ever waits
+          // for one that claimed, so for one that is running. All before the wait for sdQ,
+          // whose latency hides it.
+          constexpr int kDone = bwd::kDqTicketDone;
+          int* ticket = p.dq_ticket + (b * p.n + n) * m_tiles + m0 / kBlockM;
+          bool first = false;
+          if constexpr (kFirstStore) {
+            int state = m0 < n0 + kBlockN ? 0 : bwd::ld_acquire(ticket);
+            if (!(state & kDone)) {
+              first = atomicCAS(ticket, 0, 1) == 0;
+              while (!first && !(state & kDone)) state = bwd::ld_acquire(ticket);
+            }
+            // the adds after the store, across the proxies
+            if (!first) fence_proxy_async_global();
+          }
           mbar_wait(bar_dq_full, it & 1);
 #pragma unroll
-          for (int cb = 0; cb < kHeadDim / 32; ++cb)
-            tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, cb * 32,
-                              static_cast<int>(step_head(walk)), step_m0(walk),
-                              static_cast<int>(b), L2Hint::kLast);
+          for (int cb = 0; cb < kHeadDim / 32; ++cb) {
+            if (first)
+              tma_store_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, cb * 32, n, m0,
+                           static_cast<int>(b));
+            else
+              tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, cb * 32, n, m0,
+                                static_cast<int>(b), L2Hint::kLast);
+          }
           bulk_commit();
           bulk_wait_read();
           mbar_arrive(bar_dq_empty);
+          if (first) {  // the stored tile, once its copy is complete
+            bulk_wait_all();
+            fence_proxy_async_global();
+            red_or_release(ticket, kDone);
+          }
         }
       }
     }
@@ -687,16 +718,22 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
       !sm90::encode_btnh<float>(&tma_dq, p.dq_accum, p.h, p.n, p.t, p.b, p.h, p.n * p.h,
                                 p.t * p.n * p.h, Cfg::kBlockM))
     return false;
-  bwd::launch_preprocess<T, kHeadDim, kHeadDim>(p, stream);
+  // Causal at up to 2048 keys: dq_accum is not zeroed, the kernel stores each query tile's first
+  // contribution (+4-9% at 1k). The waits for a tile's store cost ~2% at 4k-16k, where the
+  // zeros cost under 1% (NOTES.md, eighteenth session).
+  BwdParams q = p;
+  q.dq_first_store = kCausal && !live_variant(p) && p.dq_ticket && p.s <= 2048;
+  bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
-  auto kernel = live_variant(p) ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, false, true>
-                                : sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false>;
+  auto kernel = live_variant(p)     ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, false, true>
+                : q.dq_first_store ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false, kCausal>
+                                    : sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false>;
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) == cudaSuccess)
     kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        p, tma_q, tma_k, tma_v, tma_do, tma_dq, static_cast<int>(key_tiles));
+        q, tma_q, tma_k, tma_v, tma_do, tma_dq, static_cast<int>(key_tiles));
   bwd::launch_convert_dq<T, kHeadDim>(p, stream);
   return true;
 }
