@@ -139,12 +139,14 @@ struct RowChunks {
   static int64_t blocks(int64_t rows) { return (rows * kLanes + kThreads - 1) / kThreads; }
 };
 
-// delta[b, n, t] = sum_d dout[b, t, n, d] * o[b, t, n, d] - dlse[b, n, t] (Hv columns), with
-// the forward's fp32 o (p.o_f32) when given, else the stored one;
-// dq_accum[b, t, n, :H] = 0 (rows bwd_width(H) wide; the padding is never read).
-// The sm90 backward's dQ tickets: the tile's first contribution is in dq_accum.
+// A dQ ticket's bit once the query tile's first contribution is stored in dq_accum
+// (sm90/flash_bwd_sm90.cuh, kFirstStore).
 constexpr int kDqTicketDone = 1 << 30;
 
+// delta[b, n, t] = sum_d dout[b, t, n, d] * o[b, t, n, d] - dlse[b, n, t] (Hv columns), with
+// the forward's fp32 o (p.o_f32) when given, else the stored one;
+// dq_accum[b, t, n, :H] = 0 (rows bwd_width(H) wide; the padding is never read), or with
+// p.dq_first_store the dQ tickets = 0 instead.
 template <typename T, int kHeadDim, int kHeadDimV>
 __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
     preprocess_kernel(const BwdParams p) {
