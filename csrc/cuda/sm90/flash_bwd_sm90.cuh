@@ -315,13 +315,13 @@ __global__ void __launch_bounds__(384, 1)
         for (int it = 0; it < n_steps; ++it) {
           walk.next(seg, n_cand);
           const int n = static_cast<int>(step_head(walk)), m0 = step_m0(walk);
-          // kFirstStore (causal, run_bwd_sm90): dq_accum is not zeroed; a query tile's first contribution is
-          // stored, the others added once its ticket says kDone. The first is the CTA that
-          // claims the ticket (0 -> 1): the tile's own CTA (whose keys start at its rows, at
-          // its first steps) claims at once, any other only if the tile is not done by the time
-          // it gets there (a causal head's CTAs reach a tile steps apart). A CTA only ever waits
-          // for one that claimed, so for one that is running. All before the wait for sdQ,
-          // whose latency hides it.
+          // kFirstStore (causal, run_bwd_sm90): dq_accum is not zeroed; a query tile's first
+          // contribution is stored, the others added once its ticket says kDone. The first is
+          // the CTA that claims the ticket (0 -> 1): the tile's own CTA (whose keys start at its
+          // rows, at its first steps) claims at once, any other only if the tile is not done by
+          // the time it gets there (a causal head's CTAs reach a tile steps apart). A CTA only
+          // ever waits for one that claimed, so for one that is running. All before the wait
+          // for sdQ, whose latency hides it.
           constexpr int kDone = bwd::kDqTicketDone;
           int* ticket = p.dq_ticket + (b * p.n + n) * m_tiles + m0 / kBlockM;
           bool first = false;
