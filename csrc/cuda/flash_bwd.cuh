@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
   }
   // dq_first_store: the kernel stores each query tile's first contribution (tickets, sm90/
   // flash_bwd_sm90.cuh), so dq_accum needs no zeros.
-  if (p.dq_first_store && idx < p.b * p.n * ((p.t + 63) / 64)) p.dq_ticket[idx] = 0;
+  if (p.dq_first_store && idx < dq_tickets(p)) p.dq_ticket[idx] = 0;
   if (valid && c < kHeadDim / 8 && !p.dq_first_store) {
     float4* dqa = reinterpret_cast<float4*>(p.dq_accum + row * kWidth + c * 8);
     dqa[0] = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -101,6 +101,12 @@ inline bool dbias_direct(const FwdParams& p) {
 // Elements of the bias (and of dbias): q's leading dims, then (B|1, N|1, T|1, S|1).
 inline int64_t bias_elements(const FwdParams& p) { return p.bias_strides.outer * (p.b / p.batch_inner); }
 
+// dQ tickets (BwdParams::dq_ticket): one per 64 query rows of each head, the smallest sm90
+// backward query tile, so that every head dim's tiles have one.
+__host__ __device__ inline int64_t dq_tickets(const BwdParams& p) {
+  return p.b * p.n * ((p.t + 63) / 64);
+}
+
 // Element counts of the workspaces a backward call needs beyond delta and dq_accum (0: none).
 struct BwdWorkspace {
   int64_t dbias_accum = 0, dalibi_accum = 0, dq_turn = 0, kv_seg_range = 0, dq_ticket = 0;
@@ -114,7 +120,7 @@ inline BwdWorkspace bwd_workspace(const BwdParams& p) {
   // (deterministic: flash_bwd.cuh dbias_kernel sums a broadcast bias's dbias with no atomics)
   if (p.bias && !dbias_direct(p) && !p.deterministic) w.dbias_accum = bias_elements(p);
   if (p.alibi_slopes) w.dalibi_accum = p.b * p.n * key_tiles;
-  w.dq_ticket = p.b * p.n * ((p.t + 63) / 64);
+  w.dq_ticket = dq_tickets(p);
   if (p.deterministic) {
     w.dq_turn = p.b * p.n * ((p.t + block_m - 1) / block_m);
     if (p.q_segment_ids) w.kv_seg_range = p.b * key_tiles * 2;
