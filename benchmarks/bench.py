@@ -1,9 +1,10 @@
 """Sweep jaxflash against its peers in one run: table, PNG plot, and a RESULTS.md entry.
 
-Shapes follow ANCHORS.md: bf16, B = tokens / S, N = hidden / D, D in {64, 128},
-S in {1k, 4k, 16k}, causal and not; TFLOP/s with fwd = 4*B*N*S^2*D (halved when causal)
-and bwd = 2.5 x fwd. Medians of warm runs. Peers: cuDNN (jax.nn), flash-attn3-jax when
+Shapes follow ANCHORS.md: bf16, B = tokens / S, N = hidden / D, D in {64, 128} (and 256
+reported), S in {1k, 4k, 16k}, causal and not; TFLOP/s with fwd = 4*B*N*S^2*D (halved when
+causal) and bwd = 2.5 x fwd. Medians of warm runs. Peers: cuDNN (jax.nn), flash-attn3-jax when
 installed, Mosaic GPU (JAX's Pallas Hopper attention: fp16, forward only, as ANCHORS.md) and XLA.
+Only outputs that are right are timed (MAX_OUTPUT_ERROR); a peer that fails a point shows '-'.
 
   python benchmarks/bench.py --out /tmp/bench --commit $(git rev-parse --short HEAD)
   python benchmarks/bench.py --plot-only /tmp/bench/results.json   # re-plot elsewhere
@@ -22,11 +23,15 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, flops, peers, progress,
-                            time_attention)
+from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, bench_inputs, flops,
+                            output_error, peers, progress, time_attention)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 XLA_MAX_S = 4096  # XLA materialises (B, N, S, S) logits; 16k does not fit
+# A timing counts only for an output within this of the truth (inputs are unit normals, so
+# outputs are O(1); two correct bf16 kernels differ by ~1e-2): jaxflash against the float32
+# reference on a slice, every peer against jaxflash on the whole output.
+MAX_OUTPUT_ERROR = 0.1
 
 
 def environment(commit: str, tokens: int, hidden: int) -> dict:
@@ -51,12 +56,14 @@ def environment(commit: str, tokens: int, hidden: int) -> dict:
 
 
 def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]:
-  impls = {n: f for n, f in peers(jax.default_backend()).items() if n in names}
+  every = peers(jax.default_backend())
+  impls = {n: f for n, f in every.items() if n in names}
   points = [(d, s, c, n) for d in dims for s in seqlens for c in causals for n in impls]
-  rows = []
+  rows, truth = [], {}  # truth: jaxflash's output of a point, per input dtype
   for D, S, causal, name in progress(points, "bench"):
     B, N = max(1, tokens // S), hidden // D
     row = dict(impl=name, D=D, S=S, causal=causal, B=B, N=N, fwd=None, bwd=None)
+    dtype = INPUT_DTYPE.get(name, jnp.bfloat16)
     if name == "xla" and S > XLA_MAX_S:
       row["error"] = "skipped: O(S^2) memory"
     else:
@@ -64,8 +71,18 @@ def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]
       configs = impls[name] if isinstance(impls[name], dict) else {None: impls[name]}
       for config, attn in configs.items():
         try:
-          t_fwd, t_bwd = time_attention(attn, B, S, S, N, N, D, causal,
-                                        INPUT_DTYPE.get(name, jnp.bfloat16),
+          if name != "jaxflash" and (D, S, causal, dtype) not in truth:
+            truth.clear()  # one point's outputs at a time
+            q, k, v, _ = bench_inputs(B, S, S, N, N, D, dtype)
+            truth[D, S, causal, dtype] = jax.jit(
+                lambda q, k, v: every["jaxflash"](q, k, v, causal))(q, k, v)
+          err = output_error(attn, B, S, S, N, N, D, causal, dtype,
+                             against=truth.get((D, S, causal, dtype)))
+          if not err <= MAX_OUTPUT_ERROR:  # NaN too
+            row.setdefault("error", f"wrong output{f' ({config})' if config else ''}: max error "
+                                    f"{err:.2g}")
+            continue
+          t_fwd, t_bwd = time_attention(attn, B, S, S, N, N, D, causal, dtype,
                                         backward=backward and name not in FORWARD_ONLY)
         except Exception as e:  # a peer that cannot run a shape shows as '-'
           row.setdefault("error", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
@@ -139,8 +156,8 @@ def plot(rows, path) -> bool:
 
 def append_results(rows, env, path, note):
   mosaic = (" (mosaic: fp16, forward only, the fastest block_kv of "
-            f"{'/'.join(map(str, MOSAIC_BLOCK_KV))})" if any(r["impl"] == "mosaic" for r in rows)
-            else "")
+            f"{'/'.join(map(str, MOSAIC_BLOCK_KV))} whose output is right)"
+            if any(r["impl"] == "mosaic" for r in rows) else "")
   header = (f"\n## {env['date']} {env['device']} (commit {env['commit']})\n\n"
             f"jax {env['jax']}, driver {env.get('driver')}, {env.get('cuda')}"
             f"{', flash-attn3-jax ' + env['fa3j'] if 'fa3j' in env else ''}. "
@@ -148,13 +165,16 @@ def append_results(rows, env, path, note):
             "(medians).\n")
   if note:
     header += f"\n{note}\n"
+  untimed = [f"- {r['impl']} D={r['D']} S={r['S']} {'causal' if r['causal'] else 'plain'}: "
+             f"{r['error']}" for r in rows if "error" in r and not r["error"].startswith("skipped")]
   with open(path, "a") as f:
-    f.write(header + "\n" + table(rows) + "\n")
+    f.write(header + "\n" + table(rows) + "\n" +
+            ("\nNot timed ('-'):\n" + "\n".join(untimed) + "\n" if untimed else ""))
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+  p.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
   p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
   p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
   p.add_argument("--tokens", type=int, default=16384)

@@ -82,15 +82,16 @@ for stage in "$@"; do
           timeout 200 python3 benchmarks/bench.py --dims 64 128 --seqlens 4096 16384 --peers jaxflash \
             --out "$OUT/ab_$v" --commit "$v" --results "$OUT/ab_$v.md" 2>&1 | grep "|"
         done ;;
-    sanitize) for tool in memcheck racecheck; do for D in 64 128; do for c in "" --causal; do
+    sanitize) for tool in memcheck racecheck; do for D in 64 128 256; do for c in "" --causal; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --small --D $D $c --reps 1 2>&1 | tail -2 \
             | sed "s/^/$tool D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
-    # the D=128 forward's lazy max over many key tiles, its rescale and S-recompute paths taken
-    sanitize-lazy) for tool in memcheck racecheck; do for c in "" --causal; do
+    # the D=128 and D=256 forwards' lazy max over many key tiles, its rescale and S-recompute
+    # paths taken
+    sanitize-lazy) for tool in memcheck racecheck; do for D in 128 256; do for c in "" --causal; do
           timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 \
-            benchmarks/profile_kernels.py --many-tiles --kv 700 --jump --D 128 $c --reps 1 2>&1 \
-            | tail -2 | sed "s/^/$tool lazy D=128 $c: /" | tee -a "$OUT/sanitize.log"; done; done ;;
+            benchmarks/profile_kernels.py --many-tiles --kv 700 --jump --D $D $c --reps 1 2>&1 \
+            | tail -2 | sed "s/^/$tool lazy D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
     sanitize-seg) for tool in memcheck racecheck; do for D in 64 128; do for c in "" --causal; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --segments --D $D $c --reps 1 2>&1 | tail -2 \

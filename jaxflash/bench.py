@@ -73,17 +73,38 @@ def peers(platform):
   return impls
 
 
-def time_attention(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backward=True):
-  """(fwd seconds, bwd seconds or None) of attn on fresh random inputs."""
+def bench_inputs(B, T, S, N, K, H, dtype=jnp.bfloat16):
+  """q, k, v, dout of a benchmark point: fresh random normals, the same for every peer."""
   keys = jax.random.split(jax.random.PRNGKey(T * 7 + H), 4)
-  q = jax.random.normal(keys[0], (B, T, N, H), dtype)
-  k = jax.random.normal(keys[1], (B, S, K, H), dtype)
-  v = jax.random.normal(keys[2], (B, S, K, H), dtype)
+  return (jax.random.normal(keys[0], (B, T, N, H), dtype),
+          jax.random.normal(keys[1], (B, S, K, H), dtype),
+          jax.random.normal(keys[2], (B, S, K, H), dtype),
+          jax.random.normal(keys[3], (B, T, N, H), dtype))
+
+
+def output_error(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, against=None):
+  """max |attn(q, k, v) - truth| in float32 on bench_inputs: truth is `against` (an output of
+  the same inputs) or else the float32 reference, on the first 256 queries of batch 0 and the
+  first query head of each of its first two kv heads (the reference is O(T S) in memory)."""
+  q, k, v, _ = bench_inputs(B, T, S, N, K, H, dtype)
+  out = jax.jit(lambda q, k, v: attn(q, k, v, is_causal))(q, k, v).astype(jnp.float32)
+  if against is not None:
+    return float(jnp.max(jnp.abs(out - against.astype(jnp.float32))))
+  kv, rows = min(K, 2), min(T, 256)
+  heads = jnp.arange(kv) * (N // K)  # the first query head of kv heads 0 and 1
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = jaxflash.attention_reference(f32(q[:1, :rows, heads]), f32(k[:1, :, :kv]),
+                                     f32(v[:1, :, :kv]), is_causal=is_causal)[0]
+  return float(jnp.max(jnp.abs(out[:1, :rows, heads] - ref)))
+
+
+def time_attention(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backward=True):
+  """(fwd seconds, bwd seconds or None) of attn on bench_inputs."""
+  q, k, v, dout = bench_inputs(B, T, S, N, K, H, dtype)
   fwd = jax.jit(lambda q, k, v: attn(q, k, v, is_causal))
   t_fwd = median_seconds(fwd, q, k, v)
   if not backward:
     return t_fwd, None
-  dout = jax.random.normal(keys[3], (B, T, N, H), dtype)
   _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, is_causal), q, k, v)
   bwd = jax.jit(lambda vjp, dout: vjp(dout))
   return t_fwd, median_seconds(bwd, vjp, dout)

@@ -45,11 +45,13 @@ def test_forward_and_grads(impl, dtype, is_causal, shape):
 # Row maxima that jump as the key tiles are visited (the sm90 forwards go from the last key
 # tile to the first and keep a lazy running max at H = 128): keys below 64 carry logits ~40x
 # the others', past any exp2 range (the max moves by hundreds of log2 units), keys below 320
-# 3x (it moves by a few). The forwards are persistent but at T = 4200 causal (a CTA a tile).
+# 3x (it moves by a few). The forwards are persistent but at T = 4200 causal (a CTA a tile) and
+# at H = 256 (a CTA a tile, 80-key tiles).
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(1, 300, 700, 4, 2, 128), (1, 4200, 800, 2, 1, 128)],
+@pytest.mark.parametrize("shape", [(1, 300, 700, 4, 2, 128), (1, 4200, 800, 2, 1, 128),
+                                   (1, 300, 700, 4, 2, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_logits_jumping_along_keys(impl, dtype, is_causal, shape):
   B, T, S, N, K, H = shape
@@ -146,14 +148,15 @@ def test_grads_f32(impl, options, H):
 @pytest.mark.parametrize("shape", [(2, 1024, 1024, 16, 16, 128), (1, 2049, 1999, 8, 2, 64),
                                    (4, 513, 4096, 4, 4, 128), (1, 4133, 4133, 4, 2, 128),
                                    (1, 4133, 3001, 4, 2, 64), (2, 640, 1999, 8, 4, 64),
-                                   (2, 4133, 1000, 8, 2, 64)],
+                                   (2, 4133, 1000, 8, 2, 64), (1, 1100, 2001, 4, 2, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_cuda_long_sequences(dtype, is_causal, shape):
   """Many tiles in both directions, with ragged tails; the small SHAPES cover the edges. At
   T = 1k the sm90 forwards run persistent CTAs, past T = 4k causal ones one CTA a query tile
   (plain ones stay persistent). At H = 64 the forward runs 3 consumer warpgroups (192-row
   tiles) at T = 2049 and 4133 (causal too), CTAs of several tiles at 4133 x 1000; at T = 640
-  two, with 192-key tiles at S = 1999 (the small SHAPES run the 128-key ones)."""
+  two, with 192-key tiles at S = 1999 (the small SHAPES run the 128-key ones). At H = 256 the
+  sm90 forward's 80-key tiles end 1 key into the last one."""
   test_forward_and_grads("cuda", dtype, is_causal, shape)
 
 

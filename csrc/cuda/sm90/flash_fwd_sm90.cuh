@@ -18,7 +18,7 @@
 // start only after that, so at H = 64, where the exp2s (MUFU) take as long as the GEMMs, a
 // third consumer keeps the tensor cores and the MUFU busy while the other two are blocked
 // or in their softmax (FA3's 192-row tiles at H <= 64).
-// At H = 128 the softmax keeps a lazy running max (softmax_lazy): the exp2s of a tile start
+// At H >= 128 the softmax keeps a lazy running max (softmax_lazy): the exp2s of a tile start
 // against the max of the tiles before, without waiting for the tile's own, which moves it
 // only when it has grown by more than 8 (log2 units), so that O is rarely rescaled either.
 // Key tiles are visited last to first, so that the tiles needing a mask (past S, or on the
@@ -68,11 +68,13 @@ namespace sm90 {
 // of Rules below) keep 128, so less of each boundary tile is wasted, and so do kNarrow
 // kernels: the persistent d128 one, to leave room for sO (with the lazy max it measured level
 // to +7% against FA3's 176-key tiles at 2k-16k, fourteenth session), and d64 where S leaves a
-// wide last tile mostly empty (run_fwd_sm90).
+// wide last tile mostly empty (run_fwd_sm90). d256 runs FA3's 80 keys: Q (64 KB) and two
+// stages each of K and V (40 KB) fill the shared memory, O (128 registers a thread) and the
+// S in flight the consumers' registers.
 template <int kHeadDim, bool kMasked, bool kNarrow>
 struct FwdTileSm90 {
-  static_assert(kHeadDim == 64 || kMasked || kNarrow, "d128 runs 128-key tiles");
-  static constexpr int kBlockN = kMasked || kNarrow ? 128 : 192;
+  static_assert(kHeadDim != 128 || kMasked || kNarrow, "d128 runs 128-key tiles");
+  static constexpr int kBlockN = kHeadDim == 256 ? 80 : kMasked || kNarrow ? 128 : 192;
 };
 
 // Segment ids (query t sees key s only if q_seg[b, t] == kv_seg[b, s]) in the rules kernel.
@@ -144,8 +146,9 @@ struct FwdCfgSm90 {
   static constexpr int kProducerRegs = 24, kConsumerRegs = kWGs == 2 ? 240 : 160;
   // The lazy running max (softmax_lazy in the kernel) at H = 128: +7-9% plain at 1k-16k, +6%
   // and +11% causal at 4k and 16k, level at 1k causal; at H = 64 level to -3% (NOTES.md,
-  // fourteenth session). Not in the rules kernel.
-  static constexpr bool kLazyMax = !kRules && kHeadDim == 128;
+  // fourteenth session); at H = 256 +7-12% plain and causal but 1k causal (+2%) (twentieth
+  // session). Not in the rules kernel.
+  static constexpr bool kLazyMax = !kRules && kHeadDim >= 128;
   static constexpr int kSwzCols = 64;  // elements in one 128-byte swizzled row
   static constexpr int kColBlocks = kHeadDim / kSwzCols;
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
@@ -810,42 +813,51 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 // Launches the sm90 forward on `stream`; false (nothing launched) when the TMA descriptors
 // cannot be built. Preconditions (select.h checks them): a cc 9.x device, p.s > 0, no variant
-// but the rules (Rules, segment ids). The rules kernel covers causal too, so each file
-// compiles it once.
+// but the rules (Rules, segment ids), and at H = 256 none at all. The rules kernel covers
+// causal too, so each file compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  if (live_variant(p)) return sm90::launch_fwd<T, kHeadDim, false, true, false, false, 2>(p, stream);
-  // Persistent where it measured faster (NOTES.md, ninth session; A/Bs interleaved in one
-  // process): at H = 64 the plain kernel at every length; causal up to T = 4k (1k +12-16%,
-  // 4k +3-9%; at 16k -6% at H = 64, level at 128); at H = 128 the plain kernel at every
-  // length, its 128-key tiles leaving room for sO (with the lazy max, against 176-key tiles
-  // one CTA a tile: 2k level, 3k +7%, 4k +6%, 6k +1%, 16k level; fourteenth session).
-  // At H = 64, 3 consumer warpgroups (192-row tiles) where T's padding to 192 rows costs at
-  // most 15% more rows than to 128: plain +7%, +12%, +16% at 1k, 4k, 16k; causal past 4k +9%
-  // at 16k (NOTES.md, eleventh session), and from 2k to 4k persistent, +3% at 2k and +9% at
-  // 4k once its mask test stopped spilling, while at 1k the 192-row tiles lose 7% (fourteenth
-  // session).
-  if constexpr (kHeadDim == 64) {
-    const int64_t rows192 = (p.t + 191) / 192 * 192, rows128 = (p.t + 127) / 128 * 128;
-    if (20 * rows192 <= 23 * rows128 && (!kCausal || p.t >= 2048)) {
-      if (kCausal && p.t > 4096)
-        return sm90::launch_fwd<T, kHeadDim, kCausal, false, false, true, 3>(p, stream);
-      return sm90::launch_fwd<T, kHeadDim, kCausal, false, true, true, 3>(p, stream);
-    }
-  }
-  if constexpr (kHeadDim == 64 && !kCausal) {
-    // 128-key tiles where 192 would pad S by more than 5% beyond what 128 pads it by: at
-    // S = 512 and 1k +13% and +9% (1152 keys computed for 1024 otherwise); at 1.5k, 3k and 16k,
-    // which 192 divides or nearly, 192 is 2-4% faster (NOTES.md, tenth session).
-    const int64_t pad192 = (p.s + 191) / 192 * 192 - p.s, pad128 = (p.s + 127) / 128 * 128 - p.s;
-    if (20 * (pad192 - pad128) > p.s)
-      return sm90::launch_fwd<T, kHeadDim, false, false, true, true, 2>(p, stream);
-    return sm90::launch_fwd<T, kHeadDim, false, false, true, false, 2>(p, stream);
-  } else if constexpr (!kCausal) {  // H = 128
-    return sm90::launch_fwd<T, kHeadDim, false, false, true, true, 2>(p, stream);
+  if constexpr (kHeadDim == 256) {
+    // One CTA a tile: Q, K and V fill the shared memory, leaving no room for a persistent
+    // kernel's sO; the rules kernel (128-key tiles) is not built (select.h sends them to sm80).
+    return sm90::launch_fwd<T, kHeadDim, kCausal, false, false, false, 2>(p, stream);
   } else {
-    if (p.t <= 4096) return sm90::launch_fwd<T, kHeadDim, true, false, true, false, 2>(p, stream);
-    return sm90::launch_fwd<T, kHeadDim, true, false, false, false, 2>(p, stream);
+    if (live_variant(p))
+      return sm90::launch_fwd<T, kHeadDim, false, true, false, false, 2>(p, stream);
+    // Persistent where it measured faster (NOTES.md, ninth session; A/Bs interleaved in one
+    // process): at H = 64 the plain kernel at every length; causal up to T = 4k (1k +12-16%,
+    // 4k +3-9%; at 16k -6% at H = 64, level at 128); at H = 128 the plain kernel at every
+    // length, its 128-key tiles leaving room for sO (with the lazy max, against 176-key tiles
+    // one CTA a tile: 2k level, 3k +7%, 4k +6%, 6k +1%, 16k level; fourteenth session).
+    // At H = 64, 3 consumer warpgroups (192-row tiles) where T's padding to 192 rows costs at
+    // most 15% more rows than to 128: plain +7%, +12%, +16% at 1k, 4k, 16k; causal past 4k +9%
+    // at 16k (NOTES.md, eleventh session), and from 2k to 4k persistent, +3% at 2k and +9% at
+    // 4k once its mask test stopped spilling, while at 1k the 192-row tiles lose 7% (fourteenth
+    // session).
+    if constexpr (kHeadDim == 64) {
+      const int64_t rows192 = (p.t + 191) / 192 * 192, rows128 = (p.t + 127) / 128 * 128;
+      if (20 * rows192 <= 23 * rows128 && (!kCausal || p.t >= 2048)) {
+        if (kCausal && p.t > 4096)
+          return sm90::launch_fwd<T, kHeadDim, kCausal, false, false, true, 3>(p, stream);
+        return sm90::launch_fwd<T, kHeadDim, kCausal, false, true, true, 3>(p, stream);
+      }
+    }
+    if constexpr (kHeadDim == 64 && !kCausal) {
+      // 128-key tiles where 192 would pad S by more than 5% beyond what 128 pads it by: at
+      // S = 512 and 1k +13% and +9% (1152 keys computed for 1024 otherwise); at 1.5k, 3k and
+      // 16k, which 192 divides or nearly, 192 is 2-4% faster (NOTES.md, tenth session).
+      const int64_t pad192 = (p.s + 191) / 192 * 192 - p.s;
+      const int64_t pad128 = (p.s + 127) / 128 * 128 - p.s;
+      if (20 * (pad192 - pad128) > p.s)
+        return sm90::launch_fwd<T, kHeadDim, false, false, true, true, 2>(p, stream);
+      return sm90::launch_fwd<T, kHeadDim, false, false, true, false, 2>(p, stream);
+    } else if constexpr (!kCausal) {  // H = 128
+      return sm90::launch_fwd<T, kHeadDim, false, false, true, true, 2>(p, stream);
+    } else {
+      if (p.t <= 4096)
+        return sm90::launch_fwd<T, kHeadDim, true, false, true, false, 2>(p, stream);
+      return sm90::launch_fwd<T, kHeadDim, true, false, false, false, 2>(p, stream);
+    }
   }
 }
 

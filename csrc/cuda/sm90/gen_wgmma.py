@@ -4,8 +4,8 @@ Each N needs an asm statement listing its N/2 accumulator registers, which the C
 preprocessor cannot count out, hence a generator. Run: python3 gen_wgmma.py > wgmma_gen.h
 """
 
-SS_N = (64, 128, 192)       # S = Q K^T: N = kBlockN; backward S^T = K Q^T: N = kBlockM
-RS_N = (64, 128)            # O += P V, backward dV += P^T dO, dK += dS^T Q: N = head dim
+SS_N = (64, 80, 128, 192)   # S = Q K^T: N = kBlockN; backward S^T = K Q^T: N = kBlockM
+RS_N = (64, 128, 256)       # O += P V, backward dV += P^T dO, dK += dS^T Q: N = head dim
 TT_N = (64,)                # backward dQ = dS K, both operands MN-major: N = 64 columns of dQ
 TS_N = (64,)                # backward dQ^T = K^T dS^T at H = 128, A MN-major: N = 64 queries
 FORMS = (("ss", SS_N), ("tt", TT_N), ("ts", TS_N), ("rs", RS_N))
@@ -77,7 +77,7 @@ def main():
   print("#include <cstdint>\n#include <type_traits>\n")
   print("namespace jaxflash::cuda::sm90 {\n")
   print("template <int N>\nstruct Wgmma;\n")
-  for n in sorted(set(SS_N) | set(TT_N) | set(RS_N)):
+  for n in sorted(set(SS_N) | set(TT_N) | set(TS_N) | set(RS_N)):
     print(f"template <>\nstruct Wgmma<{n}> {{")
     parts = [function(n, f) for f, ns in FORMS if n in ns]
     print("\n".join(parts), end="")
