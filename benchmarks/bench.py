@@ -23,8 +23,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, bench_inputs, flops,
-                            output_error, peers, progress, time_attention)
+from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, UNSCALED, bench_inputs,
+                            flops, output_error, peers, progress, time_attention)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 XLA_MAX_S = 4096  # XLA materialises (B, N, S, S) logits; 16k does not fit
@@ -69,6 +69,7 @@ def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]
     else:
       # a tuned peer (a dict of configs) reports its fastest forward
       configs = impls[name] if isinstance(impls[name], dict) else {None: impls[name]}
+      errors = []
       for config, attn in configs.items():
         try:
           if name != "jaxflash" and (D, S, causal, dtype) not in truth:
@@ -76,23 +77,27 @@ def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]
             q, k, v, _ = bench_inputs(B, S, S, N, N, D, dtype)
             truth[D, S, causal, dtype] = jax.jit(
                 lambda q, k, v: every["jaxflash"](q, k, v, causal))(q, k, v)
-          err = output_error(attn, B, S, S, N, N, D, causal, dtype,
+          checked = attn
+          if name in UNSCALED:
+            checked = lambda q, k, v, c, attn=attn: attn((q * D ** -0.5).astype(q.dtype), k, v, c)
+          err = output_error(checked, B, S, S, N, N, D, causal, dtype,
                              against=truth.get((D, S, causal, dtype)))
           if not err <= MAX_OUTPUT_ERROR:  # NaN too
-            row.setdefault("error", f"wrong output{f' ({config})' if config else ''}: max error "
-                                    f"{err:.2g}")
+            errors.append(f"{config + ': ' if config else ''}wrong output, max error {err:.2g}")
             continue
           t_fwd, t_bwd = time_attention(attn, B, S, S, N, N, D, causal, dtype,
                                         backward=backward and name not in FORWARD_ONLY)
         except Exception as e:  # a peer that cannot run a shape shows as '-'
-          row.setdefault("error", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+          errors.append(f"{config + ': ' if config else ''}{type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:120]}")
           continue
         if row["fwd"] is None or t_fwd < row["fwd_ms"] / 1e3:
           row["fwd"] = flops(B, N, S, S, D, causal, "fwd") / t_fwd / 1e12
           row["bwd"] = flops(B, N, S, S, D, causal, "bwd") / t_bwd / 1e12 if t_bwd else None
           row["fwd_ms"], row["bwd_ms"] = t_fwd * 1e3, (t_bwd or 0) * 1e3
           row["config"] = config
-          row.pop("error", None)
+      if row["fwd"] is None:
+        row["error"] = "; ".join(errors)
     rows.append(row)
   return rows
 
