@@ -4,7 +4,8 @@ Shapes follow ANCHORS.md: bf16, B = tokens / S, N = hidden / D, D in {64, 128} (
 reported), S in {1k, 4k, 16k}, causal and not; TFLOP/s with fwd = 4*B*N*S^2*D (halved when
 causal) and bwd = 2.5 x fwd. Medians of warm runs. Peers: cuDNN (jax.nn), flash-attn3-jax when
 installed, Mosaic GPU (JAX's Pallas Hopper attention: fp16, forward only, as ANCHORS.md) and XLA.
-Only outputs that are right are timed (MAX_OUTPUT_ERROR); a peer that fails a point shows '-'.
+Only outputs that are right are timed (MAX_OUTPUT_ERROR): a peer whose output or gradients
+are wrong at a point shows '-' there, with the error listed under the table.
 
   python benchmarks/bench.py --out /tmp/bench --commit $(git rev-parse --short HEAD)
   python benchmarks/bench.py --plot-only /tmp/bench/results.json   # re-plot elsewhere
@@ -23,14 +24,14 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, UNSCALED, bench_inputs,
-                            flops, output_error, peers, progress, time_attention)
+from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, UNSCALED, flops,
+                            output_errors, peers, progress, time_attention)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 XLA_MAX_S = 4096  # XLA materialises (B, N, S, S) logits; 16k does not fit
-# A timing counts only for an output within this of the truth (inputs are unit normals, so
-# outputs are O(1); two correct bf16 kernels differ by ~1e-2): jaxflash against the float32
-# reference on a slice, every peer against jaxflash on the whole output.
+# A timing counts only for outputs (forward: out; backward: dq, dk, dv) within this of the
+# truth (inputs are unit normals, so they are O(1); two correct bf16 kernels differ by ~1e-2):
+# jaxflash's against the float32 reference on two heads, every peer's against jaxflash's.
 MAX_OUTPUT_ERROR = 0.1
 
 
@@ -59,45 +60,55 @@ def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]
   every = peers(jax.default_backend())
   impls = {n: f for n, f in every.items() if n in names}
   points = [(d, s, c, n) for d in dims for s in seqlens for c in causals for n in impls]
-  rows, truth = [], {}  # truth: jaxflash's output of a point, per input dtype
+  rows, truth = [], {}  # truth: jaxflash's outputs (and gradients) of a point, per input dtype
   for D, S, causal, name in progress(points, "bench"):
     B, N = max(1, tokens // S), hidden // D
     row = dict(impl=name, D=D, S=S, causal=causal, B=B, N=N, fwd=None, bwd=None)
     dtype = INPUT_DTYPE.get(name, jnp.bfloat16)
+    grads = backward and name not in FORWARD_ONLY
     if name == "xla" and S > XLA_MAX_S:
       row["error"] = "skipped: O(S^2) memory"
-    else:
-      # a tuned peer (a dict of configs) reports its fastest forward
-      configs = impls[name] if isinstance(impls[name], dict) else {None: impls[name]}
-      errors = []
-      for config, attn in configs.items():
-        try:
-          if name != "jaxflash" and (D, S, causal, dtype) not in truth:
-            truth.clear()  # one point's outputs at a time
-            q, k, v, _ = bench_inputs(B, S, S, N, N, D, dtype)
-            truth[D, S, causal, dtype] = jax.jit(
-                lambda q, k, v: every["jaxflash"](q, k, v, causal))(q, k, v)
-          checked = attn
-          if name in UNSCALED:
-            checked = lambda q, k, v, c, attn=attn: attn((q * D ** -0.5).astype(q.dtype), k, v, c)
-          err = output_error(checked, B, S, S, N, N, D, causal, dtype,
-                             against=truth.get((D, S, causal, dtype)))
-          if not err <= MAX_OUTPUT_ERROR:  # NaN too
-            errors.append(f"{config + ': ' if config else ''}wrong output, max error {err:.2g}")
-            continue
-          t_fwd, t_bwd = time_attention(attn, B, S, S, N, N, D, causal, dtype,
-                                        backward=backward and name not in FORWARD_ONLY)
-        except Exception as e:  # a peer that cannot run a shape shows as '-'
-          errors.append(f"{config + ': ' if config else ''}{type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:120]}")
+      rows.append(row)
+      continue
+    # a tuned peer (a dict of configs) reports its fastest forward
+    configs = impls[name] if isinstance(impls[name], dict) else {None: impls[name]}
+    errors, bwd_errors = [], []
+    for config, attn in configs.items():
+      label = f"{config}: " if config else ""
+      try:
+        if name != "jaxflash" and (D, S, causal, dtype) not in truth:
+          truth.clear()  # one point's outputs at a time
+          truth[D, S, causal, dtype] = output_errors(every["jaxflash"], B, S, S, N, N, D, causal,
+                                                     dtype, backward=backward)[1]
+        checked = attn
+        if name in UNSCALED:
+          checked = lambda q, k, v, c, attn=attn: attn((q * D ** -0.5).astype(q.dtype), k, v, c)
+        errs, got = output_errors(checked, B, S, S, N, N, D, causal, dtype,
+                                  against=truth.get((D, S, causal, dtype)), backward=grads)
+        if name == "jaxflash":  # checked against the reference: the truth for the peers
+          truth.clear()
+          truth[D, S, causal, dtype] = got
+        if not errs[0] <= MAX_OUTPUT_ERROR:  # NaN too
+          errors.append(f"{label}wrong output, max error {errs[0]:.2g}")
           continue
-        if row["fwd"] is None or t_fwd < row["fwd_ms"] / 1e3:
-          row["fwd"] = flops(B, N, S, S, D, causal, "fwd") / t_fwd / 1e12
-          row["bwd"] = flops(B, N, S, S, D, causal, "bwd") / t_bwd / 1e12 if t_bwd else None
-          row["fwd_ms"], row["bwd_ms"] = t_fwd * 1e3, (t_bwd or 0) * 1e3
-          row["config"] = config
-      if row["fwd"] is None:
-        row["error"] = "; ".join(errors)
+        bwd_ok = all(e <= MAX_OUTPUT_ERROR for e in errs[1:])
+        if not bwd_ok:
+          bwd_errors.append(f"{label}wrong gradients, max error (dq, dk, dv) " +
+                            ", ".join(f"{e:.2g}" for e in errs[1:]))
+        t_fwd, t_bwd = time_attention(attn, B, S, S, N, N, D, causal, dtype,
+                                      backward=grads and bwd_ok)
+      except Exception as e:  # a peer that cannot run a shape shows as '-'
+        errors.append(f"{label}{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        continue
+      if row["fwd"] is None or t_fwd < row["fwd_ms"] / 1e3:
+        row["fwd"] = flops(B, N, S, S, D, causal, "fwd") / t_fwd / 1e12
+        row["bwd"] = flops(B, N, S, S, D, causal, "bwd") / t_bwd / 1e12 if t_bwd else None
+        row["fwd_ms"], row["bwd_ms"] = t_fwd * 1e3, (t_bwd or 0) * 1e3
+        row["config"] = config
+    if row["fwd"] is None:
+      row["error"] = "; ".join(errors + bwd_errors)
+    elif grads and row["bwd"] is None and bwd_errors:
+      row["error"] = "backward not timed: " + "; ".join(bwd_errors)
     rows.append(row)
   return rows
 

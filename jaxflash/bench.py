@@ -85,20 +85,32 @@ def bench_inputs(B, T, S, N, K, H, dtype=jnp.bfloat16):
           jax.random.normal(keys[3], (B, T, N, H), dtype))
 
 
-def output_error(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, against=None):
-  """max |attn(q, k, v) - truth| in float32 on bench_inputs: truth is `against` (an output of
-  the same inputs) or else the float32 reference, on the first 256 queries of batch 0 and the
-  first query head of each of its first two kv heads (the reference is O(T S) in memory)."""
-  q, k, v, _ = bench_inputs(B, T, S, N, K, H, dtype)
-  out = jax.jit(lambda q, k, v: attn(q, k, v, is_causal))(q, k, v).astype(jnp.float32)
-  if against is not None:
-    return float(jnp.max(jnp.abs(out - against.astype(jnp.float32))))
-  kv, rows = min(K, 2), min(T, 256)
-  heads = jnp.arange(kv) * (N // K)  # the first query head of kv heads 0 and 1
-  f32 = lambda x: x.astype(jnp.float32)
-  ref = jaxflash.attention_reference(f32(q[:1, :rows, heads]), f32(k[:1, :, :kv]),
-                                     f32(v[:1, :, :kv]), is_causal=is_causal)[0]
-  return float(jnp.max(jnp.abs(out[:1, :rows, heads] - ref)))
+def attention_outputs(attn, q, k, v, dout, is_causal, backward=True):
+  """(out,) or (out, dq, dk, dv) of attn, float32."""
+  if not backward:
+    return (jax.jit(lambda q, k, v: attn(q, k, v, is_causal))(q, k, v).astype(jnp.float32),)
+  out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, is_causal), q, k, v)
+  grads = jax.jit(lambda vjp, dout: vjp(dout))(vjp, dout)
+  return tuple(x.astype(jnp.float32) for x in (out, *grads))
+
+
+def output_errors(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, against=None,
+                  backward=True):
+  """max |x - truth| of attn's out (and dq, dk, dv) on bench_inputs, and those outputs: truth
+  is `against` (attention_outputs of the same inputs) or else the float32 reference on batch 0
+  and the query heads of kv heads 0 and 1 (the reference is O(T S) in memory)."""
+  q, k, v, dout = bench_inputs(B, T, S, N, K, H, dtype)
+  got = attention_outputs(attn, q, k, v, dout, is_causal, backward)
+  if against is None:
+    kv = min(K, 2)
+    heads = slice(0, kv * (N // K))
+    f32 = lambda x: x.astype(jnp.float32)
+    ref_attn = lambda q, k, v, c: jaxflash.attention_reference(q, k, v, is_causal=c)[0]
+    against = attention_outputs(ref_attn, f32(q[:1, :, heads]), f32(k[:1, :, :kv]),
+                                f32(v[:1, :, :kv]), f32(dout[:1, :, heads]), is_causal, backward)
+    cut = lambda i, x: x[:1, :, :kv] if i >= 2 else x[:1, :, heads]  # dk, dv: per kv head
+    return [float(jnp.max(jnp.abs(cut(i, x) - r))) for i, (x, r) in enumerate(zip(got, against))], got
+  return [float(jnp.max(jnp.abs(x - t))) for x, t in zip(got, against)], got
 
 
 def time_attention(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backward=True):
