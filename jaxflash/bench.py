@@ -108,9 +108,11 @@ def output_errors(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, against
     ref_attn = lambda q, k, v, c: jaxflash.attention_reference(q, k, v, is_causal=c)[0]
     against = attention_outputs(ref_attn, f32(q[:1, :, heads]), f32(k[:1, :, :kv]),
                                 f32(v[:1, :, :kv]), f32(dout[:1, :, heads]), is_causal, backward)
-    cut = lambda i, x: x[:1, :, :kv] if i >= 2 else x[:1, :, heads]  # dk, dv: per kv head
-    return [float(jnp.max(jnp.abs(cut(i, x) - r))) for i, (x, r) in enumerate(zip(got, against))], got
-  return [float(jnp.max(jnp.abs(x - t))) for x, t in zip(got, against)], got
+    # out, dq on those query heads; dk, dv on their kv heads
+    compared = [x[:1, :, :kv] if i >= 2 else x[:1, :, heads] for i, x in enumerate(got)]
+  else:
+    compared = got
+  return [float(jnp.max(jnp.abs(x - t))) for x, t in zip(compared, against)], got
 
 
 def time_attention(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backward=True):
