@@ -98,9 +98,16 @@ struct StepWalk {
 
 template <typename T, int kHeadDim>
 struct BwdCfgSm90 {
-  static constexpr int kBlockN = 128;                        // keys per CTA: 2 x 64
+  // H = 256 (kSplitCols): the warpgroups share 64 keys and split dK, dV by columns (each owns
+  // 128), each computing the whole S^T and dP^T (7 GEMM units a step for 5 of work); dO has
+  // one stage and dQ leaves in two rounds of half its columns, to fit 227 KB.
+  static constexpr bool kSplitCols = kHeadDim == 256;
+  static constexpr int kBlockN = kSplitCols ? 64 : 128;      // keys per CTA (2 x 64 or 64)
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // queries per step
   static constexpr int kStages = 2;
+  static constexpr int kDOStages = kSplitCols ? 1 : kStages;
+  static constexpr int kWgCols = kSplitCols ? kHeadDim / 2 : kHeadDim;  // dK, dV columns a WG
+  static constexpr int kDQRounds = kSplitCols ? 2 : 1;  // sdQ fills a step
   static constexpr int kThreads = 384;
   static constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // K or V
@@ -112,25 +119,26 @@ struct BwdCfgSm90 {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // dQ's fp32 tile: H / 32 column blocks of (kBlockM, 32), 128-byte rows in TMA's 128-byte
   // swizzle, so that a warp's float2 stores (8 rows x 32 bytes) take 2 wavefronts, not 8.
-  static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4;
-  // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kStages], sdS[2],
+  static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4 / kDQRounds;
+  // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kDOStages], sdS[2],
   // lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the mbarriers kv,
-  // full[kStages], empty[kStages], dq_full, dq_empty.
+  // full[kStages], empty[kStages], dq_full, dq_empty, do_full, do_empty (kSplitCols: dO has
+  // barriers of its own).
   static constexpr uint32_t kOffK = 0;
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;
   static constexpr uint32_t kOffDO = kOffQ + kStages * kQBytes;
-  static constexpr uint32_t kOffDS = kOffDO + kStages * kQBytes;
+  static constexpr uint32_t kOffDS = kOffDO + kDOStages * kQBytes;
   static constexpr uint32_t kOffLse = kOffDS + 2 * kDSBytes;
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
-  static constexpr uint32_t kOffInfo = kOffBar + (3 + 2 * kStages) * 8;  // int [kStages]
+  static constexpr uint32_t kOffInfo = kOffBar + (5 + 2 * kStages) * 8;  // int [kStages]
   static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;  // 8-aligned: Seg holds int2
   using Seg = BwdSegShared<kBlockM, kStages>;
   static constexpr int kSmemBytes = kOffSeg + sizeof(Seg) + 1024;
 
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 backward head dims");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "sm90 backward head dims");
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
 };
 
@@ -145,6 +153,9 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
   using Cfg = BwdCfgSm90<T, kHeadDim>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+  constexpr bool kSplitCols = Cfg::kSplitCols;
+  constexpr int kDQRounds = Cfg::kDQRounds;
+  static_assert(!(kSplitCols && kRules), "H = 256 runs the rules on sm80 (select.h)");
   constexpr uint32_t kRowBytes = Cfg::kRowBytes;
   constexpr float kLog2e = 1.4426950408889634f;
 
@@ -155,9 +166,9 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sK = base + Cfg::kOffK;    // (H / 64, kBlockN, 64)
   const uint32_t sV = base + Cfg::kOffV;    // (H / 64, kBlockN, 64)
   const uint32_t sQ = base + Cfg::kOffQ;    // (kStages, H / 64, kBlockM, 64)
-  const uint32_t sdO = base + Cfg::kOffDO;  // (kStages, H / 64, kBlockM, 64)
+  const uint32_t sdO = base + Cfg::kOffDO;  // (kDOStages, H / 64, kBlockM, 64)
   const uint32_t sdS = base + Cfg::kOffDS;  // (2, kBlockM / 64, kBlockN, 64): dS^T
-  const uint32_t sdQ = base + Cfg::kOffDQ;  // (H / 32, kBlockM, 32) fp32
+  const uint32_t sdQ = base + Cfg::kOffDQ;  // (H / 32 / kDQRounds, kBlockM, 32) fp32
   float* sLse = reinterpret_cast<float*>(smem + Cfg::kOffLse);      // (kStages, kBlockM)
   float* sDelta = reinterpret_cast<float*>(smem + Cfg::kOffDelta);  // (kStages, kBlockM)
   int* sM0 = reinterpret_cast<int*>(smem + Cfg::kOffInfo);  // (kStages): the step's m0
@@ -166,6 +177,8 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_empty = bar_full + 8 * kStages;    // empty[stage]
   const uint32_t bar_dq_full = bar_empty + 8 * kStages;  // sdQ holds a step's dQ
   const uint32_t bar_dq_empty = bar_dq_full + 8;         // the writer has read sdQ
+  const uint32_t bar_do_full = bar_dq_empty + 8;         // kSplitCols: sdO holds a step's dO
+  const uint32_t bar_do_empty = bar_do_full + 8;         // kSplitCols: both dVs read it
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // blockIdx.x enumerates (b, kv head, key tile), key tile fastest: the CTAs of one kv head
@@ -213,6 +226,10 @@ __global__ void __launch_bounds__(384, 1)
     }
     mbar_init(bar_dq_full, 8);
     mbar_init(bar_dq_empty, 1);
+    if constexpr (kSplitCols) {
+      mbar_init(bar_do_full, 1);
+      mbar_init(bar_do_empty, 256);
+    }
     mbar_fence_init();
   }
   if (seg) {
@@ -269,17 +286,18 @@ __global__ void __launch_bounds__(384, 1)
         // Q and dO first: the rows below are global loads, whose latency would otherwise delay
         // the copies (exposed at a CTA's first step). Every lane arrives once its rows are in.
         const uint32_t full = bar_full + 8 * s;
+        const int ci_n = static_cast<int>(n);
         if (lane == 0) {
           sM0[s] = m0;
-          mbar_expect_tx(full, 2 * Cfg::kQBytes);
+          mbar_expect_tx(full, (kSplitCols ? 1 : 2) * Cfg::kQBytes);
           const uint32_t stage = s * Cfg::kQBytes;
-          const int ci_n = static_cast<int>(n);
 #pragma unroll
           for (int cb = 0; cb < kHeadDim / 64; ++cb) {
             tma_load_4d(sQ + stage + cb * kBlockM * kRowBytes, &tma_q, full, cb * 64, ci_n, m0, ci_b,
                         L2Hint::kLast);
-            tma_load_4d(sdO + stage + cb * kBlockM * kRowBytes, &tma_do, full, cb * 64, ci_n, m0, ci_b,
-                        L2Hint::kLast);
+            if constexpr (!kSplitCols)
+              tma_load_4d(sdO + stage + cb * kBlockM * kRowBytes, &tma_do, full, cb * 64, ci_n, m0,
+                          ci_b, L2Hint::kLast);
           }
         }
         // Rows past T (their Q, dO are TMA's zeros), past q_len or with no visible key
@@ -303,6 +321,16 @@ __global__ void __launch_bounds__(384, 1)
           if (lane == 0) seg->q_lo[s] = id_lo, seg->q_hi[s] = id_hi;
         }
         mbar_arrive(full);
+        if constexpr (kSplitCols) {  // dO once both dVs of step it - 1 have read it
+          if (it > 0) mbar_wait(bar_do_empty, (it - 1) & 1);
+          if (lane == 0) {
+            mbar_arrive_expect_tx(bar_do_full, Cfg::kQBytes);
+#pragma unroll
+            for (int cb = 0; cb < kHeadDim / 64; ++cb)
+              tma_load_4d(sdO + cb * kBlockM * kRowBytes, &tma_do, bar_do_full, cb * 64, ci_n, m0,
+                          ci_b, L2Hint::kLast);
+          }
+        }
       }
     } else if (warp == 1) {
       // dq_accum[b, m0 .., n, :] += sdQ by TMA (rows past T skipped); sdQ is released once
@@ -334,19 +362,24 @@ __global__ void __launch_bounds__(384, 1)
             // the adds after the store, across the proxies
             if (!first) fence_proxy_async_global();
           }
-          mbar_wait(bar_dq_full, it & 1);
 #pragma unroll
-          for (int cb = 0; cb < kHeadDim / 32; ++cb) {
-            if (first)
-              tma_store_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, cb * 32, n, m0,
-                           static_cast<int>(b));
-            else
-              tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, cb * 32, n, m0,
-                                static_cast<int>(b), L2Hint::kLast);
+          for (int j = 0; j < kDQRounds; ++j) {
+            mbar_wait(bar_dq_full, (kDQRounds * it + j) & 1);
+#pragma unroll
+            for (int cb = 0; cb < kHeadDim / 32 / kDQRounds; ++cb) {
+              // kSplitCols: round j holds columns 64 j .. of each warpgroup's 128
+              const int col = kSplitCols ? (cb / 2) * 128 + 64 * j + (cb % 2) * 32 : cb * 32;
+              if (first)
+                tma_store_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
+                             static_cast<int>(b));
+              else
+                tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
+                                  static_cast<int>(b), L2Hint::kLast);
+            }
+            bulk_commit();
+            bulk_wait_read();
+            mbar_arrive(bar_dq_empty);
           }
-          bulk_commit();
-          bulk_wait_read();
-          mbar_arrive(bar_dq_empty);
           if (first) {  // the stored tile, once its copy is complete
             bulk_wait_all();
             fence_proxy_async_global();
@@ -357,45 +390,53 @@ __global__ void __launch_bounds__(384, 1)
     }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
-    // Consumer warpgroup: keys 64 cw .. 64 cw + 63 of the tile. Broadcast from lane 0 so that
-    // ptxas sees it warp-uniform and keeps the descriptors derived from it in uniform registers.
+    // Consumer warpgroup: keys 64 cw .. 64 cw + 63 of the tile (kSplitCols: all 64 keys, dK and
+    // dV columns 128 cw .. 128 cw + 127). Broadcast from lane 0 so that ptxas sees it
+    // warp-uniform and keeps the descriptors derived from it in uniform registers.
     const int cw = __shfl_sync(0xffffffffu, warp / 4 - 1, 0);
+    const int wg_key0 = kSplitCols ? 0 : 64 * cw;  // this warpgroup's first key in the tile
     const int wi = warp % 4;      // warp in the warpgroup: accumulator rows 16 wi .. 16 wi + 15
     const int g = lane / 4, tig = lane % 4;
     // Accumulator element 4 i + c sits at row 16 wi + g + 8 (c / 2), column 8 i + 2 tig + c % 2.
     constexpr int kNS = kBlockM / 2;   // S^T, dP^T floats per thread: (64, kBlockM) / 128
-    constexpr int kNKV = kHeadDim / 2; // dK, dV floats per thread: (64, H) / 128
+    constexpr int kWgCols = Cfg::kWgCols;
+    constexpr int kNKV = kWgCols / 2;  // dK, dV floats per thread: (64, kWgCols) / 128
     constexpr int kKM = kBlockM / 16;  // k16 steps of dV, dK (over the queries)
-    // dQ of this warpgroup: (64, 64) at query row dq_row0, column dq_col0 of the step's tile.
-    const int dq_row0 = kHeadDim == 64 ? 64 * cw : 0, dq_col0 = kHeadDim == 128 ? 64 * cw : 0;
-    // H = 128 computes it transposed, dQ^T = K^T dS^T (A = K's column block dq_col0 / 64 read
+    // dQ of this warpgroup: (64, 64) at query row dq_row0, column dq_col0 of sdQ, which is K's
+    // column block dq_kcb (kSplitCols: one a round, dq_kcb and dq_kcb + 1).
+    const int dq_row0 = kHeadDim == 64 ? 64 * cw : 0, dq_col0 = kHeadDim >= 128 ? 64 * cw : 0;
+    const int dq_kcb = kSplitCols ? 2 * cw : dq_col0 / 64;
+    // H >= 128 computes it transposed, dQ^T = K^T dS^T (A = K's column block dq_kcb read
     // MN-major, B = dS stored with the queries as rows, read K-major), storing dS by stmatrix:
     // 11% fewer instructions a step than dQ = dS K with dS^T stored by 32-bit stores, +0.5-2%
     // at 1k-16k over 4 A/B runs; at H = 64 (128 queries a step, split by rows) it measured 1-4%
     // slower (NOTES.md, fifteenth session).
-    constexpr bool kDQT = kHeadDim == 128;
-    const int key_row = n0 + 64 * cw + 16 * wi + g;  // this thread's keys: key_row, key_row + 8
+    constexpr bool kDQT = kHeadDim >= 128;
+    const int key_row = n0 + wg_key0 + 16 * wi + g;  // this thread's keys: key_row, key_row + 8
 
     float acc_dv[kNKV], acc_dk[kNKV];
 #pragma unroll
     for (int i = 0; i < kNKV; ++i) acc_dv[i] = acc_dk[i] = 0.f;
     // Operand descriptors at stage 0 (the step's are desc_at offsets of these): this
-    // warpgroup's rows of K and V (K-major), the Q, dO stages K-major (S^T, dP^T) and MN-major
-    // (dK, dV: column blocks kBlockM rows apart), K's column block dq_col0 / 64 (MN-major) and
-    // for dQ either dS^T's column block dq_row0 / 64 (MN-major) or dS (kDQT, K-major).
-    const uint64_t d_k_rows = sw128_desc(sK + 64 * cw * kRowBytes, 16, 1024);
-    const uint64_t d_v_rows = sw128_desc(sV + 64 * cw * kRowBytes, 16, 1024);
+    // warpgroup's rows of K and V (K-major), the Q, dO stages K-major (S^T, dP^T) and, from
+    // this warpgroup's first dK, dV column, MN-major (dK, dV: column blocks kBlockM rows
+    // apart), K's column block dq_kcb (MN-major) and for dQ either dS^T's column block
+    // dq_row0 / 64 (MN-major) or dS (kDQT, K-major).
+    const uint32_t wg_cols = (kSplitCols ? 2 * cw : 0) * kBlockM * kRowBytes;
+    const uint64_t d_k_rows = sw128_desc(sK + wg_key0 * kRowBytes, 16, 1024);
+    const uint64_t d_v_rows = sw128_desc(sV + wg_key0 * kRowBytes, 16, 1024);
     const uint64_t d_q = sw128_desc(sQ, 16, 1024), d_do = sw128_desc(sdO, 16, 1024);
-    const uint64_t d_q_mn = sw128_desc(sQ, kBlockM * kRowBytes, 1024);
-    const uint64_t d_do_mn = sw128_desc(sdO, kBlockM * kRowBytes, 1024);
+    const uint64_t d_q_mn = sw128_desc(sQ + wg_cols, kBlockM * kRowBytes, 1024);
+    const uint64_t d_do_mn = sw128_desc(sdO + wg_cols, kBlockM * kRowBytes, 1024);
     const uint64_t d_ds = sw128_desc(sdS + (dq_row0 / 64) * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
-    const uint64_t d_k_dq = sw128_desc(sK + (dq_col0 / 64) * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
+    const uint64_t d_k_dq = sw128_desc(sK + dq_kcb * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
     const uint64_t d_dsq = sw128_desc(sdS, 16, 1024);
     mbar_wait(bar_kv, 0);
 
     for (int it = 0; it < n_steps; ++it) {
       const int s = it % kStages;
-      const uint32_t stage = s * Cfg::kQBytes;  // the step's Q, dO: sQ + stage, sdO + stage
+      const uint32_t stage = s * Cfg::kQBytes;  // the step's Q: sQ + stage
+      const uint32_t do_stage = kSplitCols ? 0 : stage;  // and its dO: sdO + do_stage
       mbar_wait(bar_full + 8 * s, (it / kStages) & 1);
       // the step's first query, from the producer with the stage
       const int m0 = sM0[s];
@@ -403,13 +444,13 @@ __global__ void __launch_bounds__(384, 1)
       // S^T = K Q^T and dP^T = V dO^T: (64, kBlockM), K = H in k16 steps, both operands
       // K-major (this warpgroup's 64 rows of K or V, the stage's Q or dO tile).
       float acc_s[kNS], acc_dp[kNS];
-      auto issue_rows_by_tile = [&](float (&acc)[kNS], uint64_t rows, uint64_t tile) {
+      auto issue_rows_by_tile = [&](float (&acc)[kNS], uint64_t rows, uint64_t tile, uint32_t at) {
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           const uint32_t col = (kk % 4) * 32, cb = kk / 4;
           Wgmma<kBlockM>::template ss<T>(
               acc, desc_at(rows, cb * kBlockN * kRowBytes + col),
-              desc_at(tile, stage + cb * kBlockM * kRowBytes + col), kk > 0);
+              desc_at(tile, at + cb * kBlockM * kRowBytes + col), kk > 0);
         }
         wgmma_commit();
       };
@@ -431,14 +472,18 @@ __global__ void __launch_bounds__(384, 1)
         for (int i = 0; i < kNS / 4; ++i) read_lse(i);
       }
       wgmma_fence();
-      issue_rows_by_tile(acc_s, d_k_rows, d_q);
-      issue_rows_by_tile(acc_dp, d_v_rows, d_do);
+      issue_rows_by_tile(acc_s, d_k_rows, d_q, stage);
+      if constexpr (kSplitCols) {  // dO may come after Q (its own barrier)
+        mbar_wait(bar_do_full, it & 1);
+        wgmma_fence();
+      }
+      issue_rows_by_tile(acc_dp, d_v_rows, d_do, do_stage);
 
       // P^T = 2^(S^T scale_log2 - lse_log2[q]), 0 at keys >= S and, under causal, at keys
       // past the query (kRules: keys >= kv_len or outside the band -wl <= key - q - shift
       // <= hi); only warps whose 16 keys are not all visible to all the step's queries test
       // elements.
-      const int warp_key0 = n0 + 64 * cw + 16 * wi, warp_last_key = warp_key0 + 15;
+      const int warp_key0 = n0 + wg_key0 + 16 * wi, warp_last_key = warp_key0 + 15;
       bool edge;
       int lo_d = 0, hi_d = 0;  // kRules: key - q in tile offsets (key - warp_key0, q - m0)
       if constexpr (kRules) {
@@ -530,8 +575,8 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKM; ++kk)
-        Wgmma<kHeadDim>::template rs<T>(
-            acc_dv, rP[kk], desc_at(d_do_mn, stage + kk * 16 * kRowBytes), 1);
+        Wgmma<kWgCols>::template rs<T>(
+            acc_dv, rP[kk], desc_at(d_do_mn, do_stage + kk * 16 * kRowBytes), 1);
       wgmma_commit();
 
       // dS^T into shared buffer it % 2, rows = keys (kDQT: dS, (kBlockN / 64 column blocks of
@@ -544,10 +589,22 @@ __global__ void __launch_bounds__(384, 1)
         // j = 0 .. 3; lane l stores row l % 8 of block l / 8 transposed: 8 keys of one query.
         // Query 16 kk + 8 (j / 2) + l % 8 is 16 kk rows past this lane's row at kk = 0.
         const int j = lane / 8, q = 8 * (j / 2) + lane % 8;
-        const uint32_t at = sdS_b + cw * kBlockM * kRowBytes + q * kRowBytes +
+        const uint32_t at = sdS_b + (wg_key0 / 64) * kBlockM * kRowBytes + q * kRowBytes +
                             (((2 * wi + j % 2) ^ (q % 8)) * 16);
+        if constexpr (kSplitCols) {
+          // Both warpgroups hold all of dS^T: each stores the queries of its half of the steps
+          // kk (selected, not indexed, to keep rdS in registers).
 #pragma unroll
-        for (int kk = 0; kk < kKM; ++kk) stmatrix_x4_trans(at + kk * 16 * kRowBytes, rdS[kk]);
+          for (int kk = 0; kk < kKM / 2; ++kk) {
+            uint32_t r[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) r[e] = cw ? rdS[kKM / 2 + kk][e] : rdS[kk][e];
+            stmatrix_x4_trans(at + (cw * kKM / 2 + kk) * 16 * kRowBytes, r);
+          }
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < kKM; ++kk) stmatrix_x4_trans(at + kk * 16 * kRowBytes, rdS[kk]);
+        }
       } else {
 #pragma unroll
         for (int i = 0; i < kNS / 4; ++i)
@@ -562,82 +619,100 @@ __global__ void __launch_bounds__(384, 1)
       fence_proxy_async();
       named_barrier_sync(1, 256);
 
-      // dQ = dS K: (64, 64) per warpgroup, K = 128 keys in k16 steps of 16 rows; A = dS^T's
+      // dQ = dS K: (64, 64) per warpgroup, K = kBlockN keys in k16 steps of 16 rows; A = dS^T's
       // column block dq_row0 / 64 read MN-major (M = queries contiguous), B = K's column block
-      // dq_col0 / 64 read MN-major (N = H contiguous). kDQT: dQ^T = K^T dS^T, A = that block of
-      // K (M = H contiguous), B = dS K-major (its key column blocks kBlockM rows apart).
+      // dq_kcb read MN-major (N = H contiguous). kDQT: dQ^T = K^T dS^T, A = that block of K
+      // (M = H contiguous; round j: block dq_kcb + j), B = dS K-major (its key column blocks
+      // kBlockM rows apart).
       float acc_dq[32];
-      wgmma_fence();
+      auto issue_dq = [&](int j) {
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        if constexpr (kDQT)
-          Wgmma<64>::template ts<T>(
-              acc_dq, desc_at(d_k_dq, kk * 16 * kRowBytes),
-              desc_at(d_dsq, ds_buf + (kk / 4) * kBlockM * kRowBytes + (kk % 4) * 32), kk > 0);
-        else
-          Wgmma<64>::template tt<T>(
-              acc_dq,
-              desc_at(d_ds, ds_buf + kk * 16 * kRowBytes), desc_at(d_k_dq, kk * 16 * kRowBytes),
-              kk > 0);
-      }
-      wgmma_commit();
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          if constexpr (kDQT)
+            Wgmma<64>::template ts<T>(
+                acc_dq, desc_at(d_k_dq, (j * kBlockN + kk * 16) * kRowBytes),
+                desc_at(d_dsq, ds_buf + (kk / 4) * kBlockM * kRowBytes + (kk % 4) * 32), kk > 0);
+          else
+            Wgmma<64>::template tt<T>(
+                acc_dq,
+                desc_at(d_ds, ds_buf + kk * 16 * kRowBytes), desc_at(d_k_dq, kk * 16 * kRowBytes),
+                kk > 0);
+        }
+        wgmma_commit();
+      };
+      // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
+      // writer has read the round before. Row r of a column block holds 16-byte chunk c at
+      // c ^ (r % 8).
+      auto store_dq = [&](int round) {
+        if (round > 0) mbar_wait(bar_dq_empty, (round - 1) & 1);
+        if constexpr (kDQT) {
+          // acc_dq element 4 i + c is dQ at row q = 8 i + 2 tig + c % 2, column d = dq_col0 +
+          // 16 wi + g + 8 (c / 2), in chunk (d % 32) / 4 ^ (q % 8) of row q. A warp's 32 stores
+          // of one element fall in 32 distinct banks: the chunk differs along g / 4 and tig,
+          // d % 4 = g % 4 picks the bank in it. q % 8 = 2 tig + c % 2 for every i, so each
+          // (c / 2, c % 2) needs one address, 8 i rows on.
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int d = dq_col0 + 16 * wi + g + 8 * h, q = 2 * tig + e;
+              const uint32_t at = sdQ + (d / 32) * kBlockM * kRowBytes + q * kRowBytes +
+                                  ((((d % 32) / 4) ^ q) * 16) + (d % 4) * 4;
+#pragma unroll
+              for (int i = 0; i < kBlockM / 8; ++i)
+                sts_f32(at + i * 8 * kRowBytes, acc_dq[4 * i + 2 * h + e]);
+            }
+        } else {
+          // Element 4 i + 2 h of acc_dq sits 8 h rows and 8 i columns past this thread's first
+          // (row dq_row0 + 16 wi + g, column 2 tig), and r % 8 = g; column 8 i + 2 tig is chunk
+          // 2 (i % 4) + tig / 2, so its swizzled byte offset in the row is this thread's offset
+          // for i % 4 = 0, XOR 32 (i % 4). A float2 store is served a half-warp (4 rows) at a
+          // time, and rows g, g ^ 1 put the same i in the same banks: so odd rows store i ^ 2
+          // (XOR 64) when even rows store i, and each half-warp's 4 rows fill 4 distinct 32-byte
+          // bank groups (1 wavefront, not 2).
+          const bool odd = g & 1;
+          const uint32_t sdq_thread = (sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
+                                       (dq_row0 + 16 * wi + g) * kRowBytes +
+                                       (((tig / 2) ^ g) * 16 + (tig % 2) * 8)) ^ (odd ? 64 : 0);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const int e = 4 * i + 2 * h, e2 = 4 * (i ^ 2) + 2 * h;  // selects, not an index
+              sts_f32x2((sdq_thread ^ ((i % 4) * 32)) + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes,
+                        odd ? acc_dq[e2] : acc_dq[e], odd ? acc_dq[e2 + 1] : acc_dq[e + 1]);
+            }
+        }
+        fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_dq_full);
+      };
+      issue_dq(0);
 #pragma unroll
       for (int kk = 0; kk < kKM; ++kk)
-        Wgmma<kHeadDim>::template rs<T>(
+        Wgmma<kWgCols>::template rs<T>(
             acc_dk, rdS[kk], desc_at(d_q_mn, stage + kk * 16 * kRowBytes), 1);
       wgmma_commit();
       wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
       fence_regs(acc_dq);
       fence_regs(acc_dv);
-
-      // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
-      // writer has read step it - 1's. Row r of a column block holds 16-byte chunk c at
-      // c ^ (r % 8).
-      if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
-      if constexpr (kDQT) {
-        // acc_dq element 4 i + c is dQ at row q = 8 i + 2 tig + c % 2, column d = dq_col0 +
-        // 16 wi + g + 8 (c / 2), in chunk (d % 32) / 4 ^ (q % 8) of row q. A warp's 32 stores
-        // of one element fall in 32 distinct banks: the chunk differs along g / 4 and tig,
-        // d % 4 = g % 4 picks the bank in it. q % 8 = 2 tig + c % 2 for every i, so each
-        // (c / 2, c % 2) needs one address, 8 i rows on.
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int d = dq_col0 + 16 * wi + g + 8 * h, q = 2 * tig + e;
-            const uint32_t at = sdQ + (d / 32) * kBlockM * kRowBytes + q * kRowBytes +
-                                ((((d % 32) / 4) ^ q) * 16) + (d % 4) * 4;
-#pragma unroll
-            for (int i = 0; i < kBlockM / 8; ++i)
-              sts_f32(at + i * 8 * kRowBytes, acc_dq[4 * i + 2 * h + e]);
-          }
+      if constexpr (kSplitCols) mbar_arrive(bar_do_empty);  // dP^T and dV have read dO
+      store_dq(kDQRounds * it);
+      if constexpr (kSplitCols) {  // the second half of dQ's columns, queued behind dK
+        fence_regs(acc_dq);
+        issue_dq(1);
+        wgmma_wait<1>();  // dK: the stage's Q is read
+        fence_regs(acc_dk);
+        mbar_arrive(bar_empty + 8 * s);
+        wgmma_wait<0>();
+        fence_regs(acc_dq);
+        store_dq(kDQRounds * it + 1);
       } else {
-        // Element 4 i + 2 h of acc_dq sits 8 h rows and 8 i columns past this thread's first
-        // (row dq_row0 + 16 wi + g, column 2 tig), and r % 8 = g; column 8 i + 2 tig is chunk
-        // 2 (i % 4) + tig / 2, so its swizzled byte offset in the row is this thread's offset
-        // for i % 4 = 0, XOR 32 (i % 4). A float2 store is served a half-warp (4 rows) at a
-        // time, and rows g, g ^ 1 put the same i in the same banks: so odd rows store i ^ 2
-        // (XOR 64) when even rows store i, and each half-warp's 4 rows fill 4 distinct 32-byte
-        // bank groups (1 wavefront, not 2).
-        const bool odd = g & 1;
-        const uint32_t sdq_thread = (sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
-                                     (dq_row0 + 16 * wi + g) * kRowBytes +
-                                     (((tig / 2) ^ g) * 16 + (tig % 2) * 8)) ^ (odd ? 64 : 0);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const int e = 4 * i + 2 * h, e2 = 4 * (i ^ 2) + 2 * h;  // selects, not an index
-            sts_f32x2((sdq_thread ^ ((i % 4) * 32)) + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes,
-                      odd ? acc_dq[e2] : acc_dq[e], odd ? acc_dq[e2 + 1] : acc_dq[e + 1]);
-          }
+        wgmma_wait<0>();  // dK: the stage's Q and dO are read
+        fence_regs(acc_dk);
+        mbar_arrive(bar_empty + 8 * s);
       }
-      fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_dq_full);
-      wgmma_wait<0>();  // dK: the stage's Q and dO are read
-      fence_regs(acc_dk);
-      mbar_arrive(bar_empty + 8 * s);
     }
 
     // dK = scale * acc_dk, dV = acc_dv in the input dtype (or fp32: grads_f32); keys past S
@@ -648,10 +723,11 @@ __global__ void __launch_bounds__(384, 1)
     named_barrier_sync(1, 256);
     auto store = [&](auto* gdk, auto* gdv) {
       using Out = std::remove_pointer_t<decltype(gdk)>;
-      // Rows of H + 8 elements: a warp's 8 rows of 4 (or, fp32, 8) bytes fall in distinct banks.
-      constexpr int kPitch = (kHeadDim + 8) * sizeof(Out);
+      // Rows of kWgCols + 8 elements: a warp's 8 rows of 4 (or, fp32, 8) bytes fall in
+      // distinct banks.
+      constexpr int kPitch = (kWgCols + 8) * sizeof(Out);
       static_assert(4 * 64 * kPitch <= Cfg::kOffLse, "dK, dV of both warpgroups in sK .. sdS");
-      unsigned char* s_dk = smem + 2 * cw * 64 * kPitch;  // (64, H + 8) each
+      unsigned char* s_dk = smem + 2 * cw * 64 * kPitch;  // (64, kWgCols + 8) each
       unsigned char* s_dv = s_dk + 64 * kPitch;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -673,9 +749,9 @@ __global__ void __launch_bounds__(384, 1)
       named_barrier_sync(2 + cw, 128);
       // 16-byte chunks of the rows, consecutive threads along a row (outputs are dense:
       // rows of K * H elements, H a multiple of 8).
-      constexpr int kChunks = kHeadDim * sizeof(Out) / 16, kPer = 16 / sizeof(Out);
+      constexpr int kChunks = kWgCols * sizeof(Out) / 16, kPer = 16 / sizeof(Out);
       for (int idx = tid % 128; idx < 64 * kChunks; idx += 128) {
-        const int r = idx / kChunks, c = idx % kChunks, key = n0 + 64 * cw + r;
+        const int r = idx / kChunks, c = idx % kChunks, key = n0 + wg_key0 + r;
         if (key >= s_len) continue;
         *reinterpret_cast<uint4*>(gdk + key * p.dk_row_stride + c * kPer) =
             *reinterpret_cast<const uint4*>(s_dk + r * kPitch + 16 * c);
@@ -683,8 +759,9 @@ __global__ void __launch_bounds__(384, 1)
             *reinterpret_cast<const uint4*>(s_dv + r * kPitch + 16 * c);
       }
     };
-    const int64_t dk_at = b * p.dk_batch_stride + kvh * p.dk_head_stride;
-    const int64_t dv_at = b * p.dv_batch_stride + kvh * p.dv_head_stride;
+    const int col0 = kSplitCols ? kWgCols * cw : 0;  // this warpgroup's first column
+    const int64_t dk_at = b * p.dk_batch_stride + kvh * p.dk_head_stride + col0;
+    const int64_t dv_at = b * p.dv_batch_stride + kvh * p.dv_head_stride + col0;
     if (p.grads_f32)
       store(static_cast<float*>(p.dk) + dk_at, static_cast<float*>(p.dv) + dv_at);
     else
@@ -726,9 +803,12 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
-  auto kernel = live_variant(p)     ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, false, true>
-                : q.dq_first_store ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false, kCausal>
-                                    : sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false>;
+  // H = 256 has no rules kernel (select.h sends its variants to sm80).
+  constexpr bool kHasRules = !Cfg::kSplitCols;
+  auto kernel = q.dq_first_store ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false, kCausal>
+                                 : sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false>;
+  if constexpr (kHasRules)
+    if (live_variant(p)) kernel = sm90::flash_bwd_sm90_kernel<T, kHeadDim, false, true>;
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) == cudaSuccess)

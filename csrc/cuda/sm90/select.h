@@ -3,7 +3,8 @@
 // cmake/cuda.cmake) and run only on a cc 9.x device at H == Hv: the forward at H in {64, 128}
 // for attention with at least one key whose variants are only the rules of sm90_rules_only, at
 // H = 256 for plain (optionally causal) attention; the backward at H in {64, 128} for the
-// forward's cases (not deterministic) with T, S > 0.
+// forward's cases (not deterministic) with T, S > 0, at H = 256 for plain (optionally causal)
+// attention with T, S > 0.
 // JAXFLASH_DISABLE_SM90=1 forces the sm80 kernels (A/B benchmarking).
 #pragma once
 
@@ -85,23 +86,24 @@ inline bool use_bwd_sm90(const BwdParams& p) {
 #endif
 
 // The head dims the sm90 kernels have (instantiations/{fwd,bwd}_sm90_hdim<d>_*, compiled with
-// d): H == Hv in {64, 128, 256} forward, {64, 128} backward. Every other pair, and a smaller
-// Hv on these kernels, runs on sm80.
+// d): H == Hv in {64, 128, 256}. Every other pair, and a smaller Hv on these kernels, runs on
+// sm80.
 template <int kHeadDim, int kHeadDimV>
 constexpr bool has_fwd_sm90() {
   return kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
          contains(FwdHeadDims{}, kHeadDim);
 }
 
-// The d256 forward has no rules kernel (its 80-key tiles; the rules kernel's are 128 keys).
-template <int kHeadDim>
-inline bool fwd_sm90_covers(const FwdParams& p) {
+// The d256 kernels have no rules kernel (the forward's 80-key tiles, the backward's split
+// columns; the rules kernels' are 128 keys).
+template <int kHeadDim, typename Params>
+inline bool sm90_covers(const Params& p) {
   return kHeadDim != 256 || live_variant(p) == nullptr;
 }
 
 template <int kHeadDim, int kHeadDimV>
 constexpr bool has_bwd_sm90() {
-  return kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128) &&
+  return kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
          contains(BwdHeadDims{}, kHeadDim);
 }
 
@@ -117,7 +119,7 @@ template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_fwd_best(const FwdParams& p, cudaStream_t stream) {
 #ifdef JAXFLASH_SM90
   if constexpr (has_fwd_sm90<kHeadDim, kHeadDimV>()) {
-    if (p.hv == kHeadDimV && fwd_sm90_covers<kHeadDim>(p) && use_fwd_sm90(p)) {
+    if (p.hv == kHeadDimV && sm90_covers<kHeadDim>(p) && use_fwd_sm90(p)) {
       if (run_fwd_sm90<T, kHeadDim, kCausal>(p, stream)) return;
       warn_no_tma("forward");
     }
@@ -131,7 +133,7 @@ template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_bwd_best(const BwdParams& p, cudaStream_t stream) {
 #ifdef JAXFLASH_SM90
   if constexpr (has_bwd_sm90<kHeadDim, kHeadDimV>()) {
-    if (p.hv == kHeadDimV && use_bwd_sm90(p)) {
+    if (p.hv == kHeadDimV && sm90_covers<kHeadDim>(p) && use_bwd_sm90(p)) {
       if (run_bwd_sm90<T, kHeadDim, kCausal>(p, stream)) return;
       warn_no_tma("backward");
     }
