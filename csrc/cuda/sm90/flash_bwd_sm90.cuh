@@ -99,8 +99,8 @@ struct StepWalk {
 template <typename T, int kHeadDim>
 struct BwdCfgSm90 {
   // H = 256 (kSplitCols): the warpgroups share 64 keys and split dK, dV by columns (each owns
-  // 128), each computing the whole S^T and dP^T (7 GEMM units a step for 5 of work); dO has
-  // one stage and dQ leaves in two rounds of half its columns, to fit 227 KB.
+  // 128) and S^T, dP^T by queries (each computes 32), exchanging P^T and dS^T through shared
+  // memory; dO has one stage and dQ leaves in two rounds of half its columns, to fit 227 KB.
   static constexpr bool kSplitCols = kHeadDim == 256;
   static constexpr int kBlockN = kSplitCols ? 64 : 128;      // keys per CTA (2 x 64 or 64)
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // queries per step
@@ -112,7 +112,7 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // K or V
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);   // one Q or dO stage
-  static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T buffer
+  static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T (or P^T) buffer
   // 240 consumer registers: at 232, reading the lse and delta rows early (below) made ptxas
   // serialise the wgmmas (C7512, too few registers). The producer and dQ writer warps spill a
   // few values at 24; they only issue copies.
@@ -121,7 +121,7 @@ struct BwdCfgSm90 {
   // swizzle, so that a warp's float2 stores (8 rows x 32 bytes) take 2 wavefronts, not 8.
   static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4 / kDQRounds;
   // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kDOStages], sdS[2],
-  // lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the mbarriers kv,
+  // sP[2] (kSplitCols), lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the mbarriers kv,
   // full[kStages], empty[kStages], dq_full, dq_empty, do_full, do_empty (kSplitCols: dO has
   // barriers of its own).
   static constexpr uint32_t kOffK = 0;
@@ -129,14 +129,16 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;
   static constexpr uint32_t kOffDO = kOffQ + kStages * kQBytes;
   static constexpr uint32_t kOffDS = kOffDO + kDOStages * kQBytes;
-  static constexpr uint32_t kOffLse = kOffDS + 2 * kDSBytes;
+  static constexpr uint32_t kOffP = kOffDS + 2 * kDSBytes;
+  static constexpr uint32_t kOffLse = kOffP + (kSplitCols ? 2 * kDSBytes : 0);
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
   static constexpr uint32_t kOffInfo = kOffBar + (5 + 2 * kStages) * 8;  // int [kStages]
   static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;  // 8-aligned: Seg holds int2
   using Seg = BwdSegShared<kBlockM, kStages>;
-  static constexpr int kSmemBytes = kOffSeg + sizeof(Seg) + 1024;
+  // (H = 256 has no rules kernel, so no segment-id tables.)
+  static constexpr int kSmemBytes = kOffSeg + (kSplitCols ? 0 : sizeof(Seg)) + 1024;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "sm90 backward head dims");
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
@@ -390,15 +392,18 @@ __global__ void __launch_bounds__(384, 1)
     }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
-    // Consumer warpgroup: keys 64 cw .. 64 cw + 63 of the tile (kSplitCols: all 64 keys, dK and
-    // dV columns 128 cw .. 128 cw + 127). Broadcast from lane 0 so that ptxas sees it
-    // warp-uniform and keeps the descriptors derived from it in uniform registers.
+    // Consumer warpgroup: keys 64 cw .. 64 cw + 63 of the tile (kSplitCols: all 64 keys, the
+    // step's queries 32 cw .. 32 cw + 31 in S^T and dP^T, dK and dV columns 128 cw .. 128 cw +
+    // 127). Broadcast from lane 0 so that ptxas sees it warp-uniform and keeps the descriptors
+    // derived from it in uniform registers.
     const int cw = __shfl_sync(0xffffffffu, warp / 4 - 1, 0);
     const int wg_key0 = kSplitCols ? 0 : 64 * cw;  // this warpgroup's first key in the tile
+    constexpr int kSN = kSplitCols ? kBlockM / 2 : kBlockM;  // S^T, dP^T columns (queries)
+    const int wg_q0 = kSplitCols ? kSN * cw : 0;             // the first of them in the step
     const int wi = warp % 4;      // warp in the warpgroup: accumulator rows 16 wi .. 16 wi + 15
     const int g = lane / 4, tig = lane % 4;
     // Accumulator element 4 i + c sits at row 16 wi + g + 8 (c / 2), column 8 i + 2 tig + c % 2.
-    constexpr int kNS = kBlockM / 2;   // S^T, dP^T floats per thread: (64, kBlockM) / 128
+    constexpr int kNS = kSN / 2;       // S^T, dP^T floats per thread: (64, kSN) / 128
     constexpr int kWgCols = Cfg::kWgCols;
     constexpr int kNKV = kWgCols / 2;  // dK, dV floats per thread: (64, kWgCols) / 128
     constexpr int kKM = kBlockM / 16;  // k16 steps of dV, dK (over the queries)
@@ -418,14 +423,18 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < kNKV; ++i) acc_dv[i] = acc_dk[i] = 0.f;
     // Operand descriptors at stage 0 (the step's are desc_at offsets of these): this
-    // warpgroup's rows of K and V (K-major), the Q, dO stages K-major (S^T, dP^T) and, from
-    // this warpgroup's first dK, dV column, MN-major (dK, dV: column blocks kBlockM rows
-    // apart), K's column block dq_kcb (MN-major) and for dQ either dS^T's column block
-    // dq_row0 / 64 (MN-major) or dS (kDQT, K-major).
+    // warpgroup's rows of K and V (K-major), its queries of the Q, dO stages K-major (S^T,
+    // dP^T) and, from its first dK, dV column, MN-major (dK, dV: column blocks kBlockM rows
+    // apart), K's column block dq_kcb (MN-major), for dQ either dS^T's column block
+    // dq_row0 / 64 (MN-major) or dS (kDQT, K-major), and (kSplitCols) P and dS as the A of dV
+    // and dK (MN-major: the keys contiguous).
     const uint32_t wg_cols = (kSplitCols ? 2 * cw : 0) * kBlockM * kRowBytes;
     const uint64_t d_k_rows = sw128_desc(sK + wg_key0 * kRowBytes, 16, 1024);
     const uint64_t d_v_rows = sw128_desc(sV + wg_key0 * kRowBytes, 16, 1024);
-    const uint64_t d_q = sw128_desc(sQ, 16, 1024), d_do = sw128_desc(sdO, 16, 1024);
+    const uint64_t d_q = sw128_desc(sQ + wg_q0 * kRowBytes, 16, 1024);
+    const uint64_t d_do = sw128_desc(sdO + wg_q0 * kRowBytes, 16, 1024);
+    const uint64_t d_p_mn = sw128_desc(base + Cfg::kOffP, kBlockM * kRowBytes, 1024);
+    const uint64_t d_ds_mn = sw128_desc(sdS, kBlockM * kRowBytes, 1024);
     const uint64_t d_q_mn = sw128_desc(sQ + wg_cols, kBlockM * kRowBytes, 1024);
     const uint64_t d_do_mn = sw128_desc(sdO + wg_cols, kBlockM * kRowBytes, 1024);
     const uint64_t d_ds = sw128_desc(sdS + (dq_row0 / 64) * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
@@ -448,14 +457,14 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
           const uint32_t col = (kk % 4) * 32, cb = kk / 4;
-          Wgmma<kBlockM>::template ss<T>(
+          Wgmma<kSN>::template ss<T>(
               acc, desc_at(rows, cb * kBlockN * kRowBytes + col),
               desc_at(tile, at + cb * kBlockM * kRowBytes + col), kk > 0);
         }
         wgmma_commit();
       };
-      const float* lse = sLse + s * kBlockM;
-      const float* delta = sDelta + s * kBlockM;
+      const float* lse = sLse + s * kBlockM + wg_q0;  // this warpgroup's queries'
+      const float* delta = sDelta + s * kBlockM + wg_q0;
       // At kBlockM = 64 the step's lse rows are read before S^T is issued, its delta rows
       // while dP^T is in flight (the stall sampling found exp2 waiting on their shared-memory
       // latency); 128 rows' worth of registers would spill.
@@ -492,7 +501,7 @@ __global__ void __launch_bounds__(384, 1)
         hi_d = clamp_diag(rules.hi - base);
         edge = warp_last_key >= rules.kv_len || -(kBlockM - 1) < lo_d || 15 > hi_d;
       } else {
-        edge = warp_last_key >= s_len || (kCausal && warp_last_key > m0);
+        edge = warp_last_key >= s_len || (kCausal && warp_last_key > m0 + wg_q0);
       }
       // Segment ids: unless the warp's keys and the step's queries all carry one id.
       bool seg_edge = false;
@@ -515,7 +524,7 @@ __global__ void __launch_bounds__(384, 1)
           for (int c = 0; c < 4; ++c) {
             float x = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -(c % 2 ? l.y : l.x)));
             if constexpr (kEdge) {
-              const int key = key_row + 8 * (c / 2), q = m0 + 8 * i + 2 * tig + c % 2;
+              const int key = key_row + 8 * (c / 2), q = m0 + wg_q0 + 8 * i + 2 * tig + c % 2;
               if constexpr (kRules) {
                 const int d = (key - warp_key0) - (q - m0);
                 if (key >= rules.kv_len || d < lo_d || d > hi_d) x = 0.f;
@@ -549,7 +558,8 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(acc_dp);
       // dS^T = P^T (dP^T - delta[q]); P^T and dS^T as wgmma A fragments (k16 step kk is
       // accumulator columns 16 kk .. 16 kk + 15, elements 8 kk .. 8 kk + 7).
-      uint32_t rP[kKM][4], rdS[kKM][4];
+      constexpr int kSK = kSN / 16;  // k16 steps of this warpgroup's P^T, dS^T
+      uint32_t rP[kSK][4], rdS[kSK][4];
 #pragma unroll
       for (int i = 0; i < kNS / 4; ++i) {
         if constexpr (!kRowsEarly) read_delta(i);
@@ -559,7 +569,7 @@ __global__ void __launch_bounds__(384, 1)
           acc_dp[4 * i + c] = acc_s[4 * i + c] * (acc_dp[4 * i + c] - (c % 2 ? d.y : d.x));
       }
 #pragma unroll
-      for (int kk = 0; kk < kKM; ++kk)
+      for (int kk = 0; kk < kSK; ++kk)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           rP[kk][r] = pack2<T>(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
@@ -569,41 +579,38 @@ __global__ void __launch_bounds__(384, 1)
       // dV += P^T dO, and after dQ below dK += dS^T Q: K = kBlockM queries in k16 steps of 16
       // rows (2 swizzle atoms); B MN-major (N = H contiguous), its column blocks kBlockM * 128
       // bytes apart. Three commit groups in the order dV, dQ, dK, so that dQ's stores wait
-      // for dQ only and overlap dK.
+      // for dQ only and overlap dK. (kSplitCols: A is P^T, dS^T of both warpgroups' queries,
+      // from shared memory, after the barrier below.)
       fence_regs(acc_dv);
       fence_regs(acc_dk);
-      wgmma_fence();
+      if constexpr (!kSplitCols) {
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kKM; ++kk)
-        Wgmma<kWgCols>::template rs<T>(
-            acc_dv, rP[kk], desc_at(d_do_mn, do_stage + kk * 16 * kRowBytes), 1);
-      wgmma_commit();
+        for (int kk = 0; kk < kKM; ++kk)
+          Wgmma<kWgCols>::template rs<T>(
+              acc_dv, rP[kk], desc_at(d_do_mn, do_stage + kk * 16 * kRowBytes), 1);
+        wgmma_commit();
+      }
 
       // dS^T into shared buffer it % 2, rows = keys (kDQT: dS, (kBlockN / 64 column blocks of
-      // keys, kBlockM, 64)). The other warpgroup last read this buffer in its dQ of step it - 2,
-      // which it waited for before the barrier of step it - 1: one barrier per step suffices.
+      // keys, kBlockM, 64); kSplitCols: P too, in sP). The other warpgroup last read this buffer
+      // in its dQ (dV, dK) of step it - 2, which it waited for before the barrier of step
+      // it - 1: one barrier per step suffices.
       const uint32_t ds_buf = (it % 2) * Cfg::kDSBytes;
       const uint32_t sdS_b = sdS + ds_buf;
       if constexpr (kDQT) {
         // rdS[kk] holds the 8 x 8 blocks (query block 2 kk + j / 2, key rows 16 wi + 8 (j % 2)),
         // j = 0 .. 3; lane l stores row l % 8 of block l / 8 transposed: 8 keys of one query.
         // Query 16 kk + 8 (j / 2) + l % 8 is 16 kk rows past this lane's row at kk = 0.
+        // (kSplitCols: queries wg_q0 + ..., keys all 64.)
         const int j = lane / 8, q = 8 * (j / 2) + lane % 8;
-        const uint32_t at = sdS_b + (wg_key0 / 64) * kBlockM * kRowBytes + q * kRowBytes +
+        const uint32_t at = (wg_key0 / 64) * kBlockM * kRowBytes + (wg_q0 + q) * kRowBytes +
                             (((2 * wi + j % 2) ^ (q % 8)) * 16);
-        if constexpr (kSplitCols) {
-          // Both warpgroups hold all of dS^T: each stores the queries of its half of the steps
-          // kk (selected, not indexed, to keep rdS in registers).
 #pragma unroll
-          for (int kk = 0; kk < kKM / 2; ++kk) {
-            uint32_t r[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) r[e] = cw ? rdS[kKM / 2 + kk][e] : rdS[kk][e];
-            stmatrix_x4_trans(at + (cw * kKM / 2 + kk) * 16 * kRowBytes, r);
-          }
-        } else {
-#pragma unroll
-          for (int kk = 0; kk < kKM; ++kk) stmatrix_x4_trans(at + kk * 16 * kRowBytes, rdS[kk]);
+        for (int kk = 0; kk < kSK; ++kk) {
+          stmatrix_x4_trans(sdS_b + at + kk * 16 * kRowBytes, rdS[kk]);
+          if constexpr (kSplitCols)
+            stmatrix_x4_trans(base + Cfg::kOffP + ds_buf + at + kk * 16 * kRowBytes, rP[kk]);
         }
       } else {
 #pragma unroll
@@ -625,7 +632,7 @@ __global__ void __launch_bounds__(384, 1)
       // (M = H contiguous; round j: block dq_kcb + j), B = dS K-major (its key column blocks
       // kBlockM rows apart).
       float acc_dq[32];
-      auto issue_dq = [&](int j) {
+      auto issue_dq = [&](float (&acc_dq)[32], int j) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -644,7 +651,7 @@ __global__ void __launch_bounds__(384, 1)
       // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
       // writer has read the round before. Row r of a column block holds 16-byte chunk c at
       // c ^ (r % 8).
-      auto store_dq = [&](int round) {
+      auto store_dq = [&](float (&acc_dq)[32], int round) {
         if (round > 0) mbar_wait(bar_dq_empty, (round - 1) & 1);
         if constexpr (kDQT) {
           // acc_dq element 4 i + c is dQ at row q = 8 i + 2 tig + c % 2, column d = dq_col0 +
@@ -688,27 +695,47 @@ __global__ void __launch_bounds__(384, 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(bar_dq_full);
       };
-      issue_dq(0);
+      if constexpr (kSplitCols) {
+        // dV, both rounds of dQ (the second into acc_dq1), dK: four commit groups, waited for
+        // in turn, so that dQ's stores overlap the GEMMs queued behind.
+        float acc_dq1[32];
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kKM; ++kk)
-        Wgmma<kWgCols>::template rs<T>(
-            acc_dk, rdS[kk], desc_at(d_q_mn, stage + kk * 16 * kRowBytes), 1);
-      wgmma_commit();
-      wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
-      fence_regs(acc_dq);
-      fence_regs(acc_dv);
-      if constexpr (kSplitCols) mbar_arrive(bar_do_empty);  // dP^T and dV have read dO
-      store_dq(kDQRounds * it);
-      if constexpr (kSplitCols) {  // the second half of dQ's columns, queued behind dK
+        for (int kk = 0; kk < kKM; ++kk)
+          Wgmma<kWgCols>::template tt<T>(
+              acc_dv, desc_at(d_p_mn, ds_buf + kk * 16 * kRowBytes),
+              desc_at(d_do_mn, do_stage + kk * 16 * kRowBytes), 1);
+        wgmma_commit();
+        issue_dq(acc_dq, 0);
+        issue_dq(acc_dq1, 1);
+#pragma unroll
+        for (int kk = 0; kk < kKM; ++kk)
+          Wgmma<kWgCols>::template tt<T>(
+              acc_dk, desc_at(d_ds_mn, ds_buf + kk * 16 * kRowBytes),
+              desc_at(d_q_mn, stage + kk * 16 * kRowBytes), 1);
+        wgmma_commit();
+        wgmma_wait<2>();  // dV and the first dQ
         fence_regs(acc_dq);
-        issue_dq(1);
-        wgmma_wait<1>();  // dK: the stage's Q is read
+        fence_regs(acc_dv);
+        mbar_arrive(bar_do_empty);  // dP^T and dV have read dO
+        store_dq(acc_dq, kDQRounds * it);
+        wgmma_wait<1>();
+        fence_regs(acc_dq1);
+        store_dq(acc_dq1, kDQRounds * it + 1);
+        wgmma_wait<0>();  // dK: the stage's Q is read
         fence_regs(acc_dk);
         mbar_arrive(bar_empty + 8 * s);
-        wgmma_wait<0>();
-        fence_regs(acc_dq);
-        store_dq(kDQRounds * it + 1);
       } else {
+        issue_dq(acc_dq, 0);
+#pragma unroll
+        for (int kk = 0; kk < kKM; ++kk)
+          Wgmma<kWgCols>::template rs<T>(
+              acc_dk, rdS[kk], desc_at(d_q_mn, stage + kk * 16 * kRowBytes), 1);
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
+        fence_regs(acc_dq);
+        fence_regs(acc_dv);
+        store_dq(acc_dq, it);
         wgmma_wait<0>();  // dK: the stage's Q and dO are read
         fence_regs(acc_dk);
         mbar_arrive(bar_empty + 8 * s);
