@@ -148,7 +148,8 @@ def test_grads_f32(impl, options, H):
 @pytest.mark.parametrize("shape", [(2, 1024, 1024, 16, 16, 128), (1, 2049, 1999, 8, 2, 64),
                                    (4, 513, 4096, 4, 4, 128), (1, 4133, 4133, 4, 2, 128),
                                    (1, 4133, 3001, 4, 2, 64), (2, 640, 1999, 8, 4, 64),
-                                   (2, 4133, 1000, 8, 2, 64), (1, 1100, 2001, 4, 2, 256)],
+                                   (2, 4133, 1000, 8, 2, 64), (1, 1100, 2001, 4, 2, 256),
+                                   (1, 2049, 700, 8, 2, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_cuda_long_sequences(dtype, is_causal, shape):
   """Many tiles in both directions, with ragged tails; the small SHAPES cover the edges. At
@@ -156,7 +157,8 @@ def test_cuda_long_sequences(dtype, is_causal, shape):
   (plain ones stay persistent). At H = 64 the forward runs 3 consumer warpgroups (192-row
   tiles) at T = 2049 and 4133 (causal too), CTAs of several tiles at 4133 x 1000; at T = 640
   two, with 192-key tiles at S = 1999 (the small SHAPES run the 128-key ones). At H = 256 the
-  sm90 forward's 80-key tiles end 1 key into the last one."""
+  sm90 forward's 80-key tiles end 1 key into the last one, and the sm90 backward (64-key tiles,
+  dK and dV split by columns, dQ in two rounds) runs T < S and T > S with GQA."""
   test_forward_and_grads("cuda", dtype, is_causal, shape)
 
 
