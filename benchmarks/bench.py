@@ -221,8 +221,8 @@ def main(argv=None):
   for r in rows:
     if "error" in r:
       print(f"  {r['impl']} D={r['D']} S={r['S']} causal={r['causal']}: {r['error']}")
+  append_results(rows, env, args.results, args.note)  # before the plot, which is slow to import
   plot(rows, os.path.join(args.out, "bench.png"))
-  append_results(rows, env, args.results, args.note)
   return 0
 
 

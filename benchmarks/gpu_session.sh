@@ -52,7 +52,7 @@ for stage in "$@"; do
     main) timeout 300 python3 -m jaxflash 2>&1 | tee "$OUT/main.log" | grep -v "\]" ;;
     bench-quick) timeout 300 python3 benchmarks/bench.py --dims 128 --seqlens 4096 --out "$OUT" \
         --commit "$COMMIT" --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
-    bench) timeout 540 python3 benchmarks/bench.py --out "$OUT" --commit "$COMMIT" \
+    bench) timeout 580 python3 benchmarks/bench.py --out "$OUT" --commit "$COMMIT" \
         --results "$OUT/RESULTS.md" 2>&1 | grep -v "^bench \[" ;;
     masked) timeout 480 python3 benchmarks/masked.py --out "$OUT" --commit "$COMMIT" \
         --results "$OUT/RESULTS.md" --json "$OUT/masked.json" 2>&1 | tee "$OUT/masked.log" \

@@ -21,6 +21,9 @@
 //     consumers issue no atomics and go on to the next step's S^T while the tile drains.
 //   H = 128 runs kBlockM = 64 (the warpgroups split dQ's columns), H = 64 kBlockM = 128 (they
 //   split its rows): every wgmma has N >= 64 and the dQ split falls on whole swizzle atoms.
+//   H = 256 (BwdCfgSm90::kSplitCols) runs kBlockN = 64 keys shared by both consumers, which
+//   split S^T, dP^T by queries (32 each) and dK, dV, dQ by columns (128 each); P^T and dS^T go
+//   through shared memory as the A of dV and dK.
 //   At the end dK, dV leave through shared memory (the K, V, Q, dO, dS^T buffers, free by then)
 //   as whole 16-byte pieces of rows.
 // Variants: a second instantiation, kRules, runs the key-range rules (lengths, window, causal
