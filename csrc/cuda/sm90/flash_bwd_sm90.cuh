@@ -702,21 +702,19 @@ __global__ void __launch_bounds__(384, 1)
         // dV, both rounds of dQ (the second into acc_dq1), dK: four commit groups, waited for
         // in turn, so that dQ's stores overlap the GEMMs queued behind.
         float acc_dq1[32];
-        wgmma_fence();
+        // acc += A B over the step's queries: A = P^T or dS^T (buffer ds_buf), B = dO or Q
+        auto issue_kv = [&](float (&acc)[kNKV], uint64_t a, uint64_t b, uint32_t b_at) {
 #pragma unroll
-        for (int kk = 0; kk < kKM; ++kk)
-          Wgmma<kWgCols>::template tt<T>(
-              acc_dv, desc_at(d_p_mn, ds_buf + kk * 16 * kRowBytes),
-              desc_at(d_do_mn, do_stage + kk * 16 * kRowBytes), 1);
-        wgmma_commit();
+          for (int kk = 0; kk < kKM; ++kk)
+            Wgmma<kWgCols>::template tt<T>(acc, desc_at(a, ds_buf + kk * 16 * kRowBytes),
+                                           desc_at(b, b_at + kk * 16 * kRowBytes), 1);
+          wgmma_commit();
+        };
+        wgmma_fence();
+        issue_kv(acc_dv, d_p_mn, d_do_mn, do_stage);
         issue_dq(acc_dq, 0);
         issue_dq(acc_dq1, 1);
-#pragma unroll
-        for (int kk = 0; kk < kKM; ++kk)
-          Wgmma<kWgCols>::template tt<T>(
-              acc_dk, desc_at(d_ds_mn, ds_buf + kk * 16 * kRowBytes),
-              desc_at(d_q_mn, stage + kk * 16 * kRowBytes), 1);
-        wgmma_commit();
+        issue_kv(acc_dk, d_ds_mn, d_q_mn, stage);
         wgmma_wait<2>();  // dV and the first dQ
         fence_regs(acc_dq);
         fence_regs(acc_dv);
