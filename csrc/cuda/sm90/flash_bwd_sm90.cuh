@@ -115,7 +115,7 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // K or V
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);   // one Q or dO stage
-  static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T (or P^T) buffer
+  static constexpr uint32_t kDSBytes = kBlockN * kBlockM * sizeof(T);   // one dS^T or P^T buffer
   // 240 consumer registers: at 232, reading the lse and delta rows early (below) made ptxas
   // serialise the wgmmas (C7512, too few registers). The producer and dQ writer warps spill a
   // few values at 24; they only issue copies.
@@ -124,9 +124,9 @@ struct BwdCfgSm90 {
   // swizzle, so that a warp's float2 stores (8 rows x 32 bytes) take 2 wavefronts, not 8.
   static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4 / kDQRounds;
   // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kDOStages], sdS[2],
-  // sP[2] (kSplitCols), lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the mbarriers kv,
-  // full[kStages], empty[kStages], dq_full, dq_empty, do_full, do_empty (kSplitCols: dO has
-  // barriers of its own).
+  // sP[2] (kSplitCols), lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the
+  // mbarriers kv, full[kStages], empty[kStages], dq_full, dq_empty, do_full, do_empty
+  // (kSplitCols: dO has barriers of its own).
   static constexpr uint32_t kOffK = 0;
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;
@@ -430,14 +430,13 @@ __global__ void __launch_bounds__(384, 1)
     // dP^T) and, from its first dK, dV column, MN-major (dK, dV: column blocks kBlockM rows
     // apart), K's column block dq_kcb (MN-major), for dQ either dS^T's column block
     // dq_row0 / 64 (MN-major) or dS (kDQT, K-major), and (kSplitCols) P and dS as the A of dV
-    // and dK (MN-major: the keys contiguous).
+    // and dK (MN-major: the keys contiguous; dS's is d_ds).
     const uint32_t wg_cols = (kSplitCols ? 2 * cw : 0) * kBlockM * kRowBytes;
     const uint64_t d_k_rows = sw128_desc(sK + wg_key0 * kRowBytes, 16, 1024);
     const uint64_t d_v_rows = sw128_desc(sV + wg_key0 * kRowBytes, 16, 1024);
     const uint64_t d_q = sw128_desc(sQ + wg_q0 * kRowBytes, 16, 1024);
     const uint64_t d_do = sw128_desc(sdO + wg_q0 * kRowBytes, 16, 1024);
     const uint64_t d_p_mn = sw128_desc(base + Cfg::kOffP, kBlockM * kRowBytes, 1024);
-    const uint64_t d_ds_mn = sw128_desc(sdS, kBlockM * kRowBytes, 1024);
     const uint64_t d_q_mn = sw128_desc(sQ + wg_cols, kBlockM * kRowBytes, 1024);
     const uint64_t d_do_mn = sw128_desc(sdO + wg_cols, kBlockM * kRowBytes, 1024);
     const uint64_t d_ds = sw128_desc(sdS + (dq_row0 / 64) * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
@@ -714,7 +713,7 @@ __global__ void __launch_bounds__(384, 1)
         issue_kv(acc_dv, d_p_mn, d_do_mn, do_stage);
         issue_dq(acc_dq, 0);
         issue_dq(acc_dq1, 1);
-        issue_kv(acc_dk, d_ds_mn, d_q_mn, stage);
+        issue_kv(acc_dk, d_ds, d_q_mn, stage);
         wgmma_wait<2>();  // dV and the first dQ
         fence_regs(acc_dq);
         fence_regs(acc_dv);
