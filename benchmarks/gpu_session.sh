@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, then the stages named as arguments
 # (gpu-suite, gpu-suite-sm80, mask, main, bench, bench-quick, masked, sharding, sanitize, sanitize-lazy, sanitize-seg,
-# sanitize-hdims, stalls, ab, ...), each logged under $OUT.
+# sanitize-sec, sanitize-hdims, stalls, ab, ...), each logged under $OUT.
 # ab: AB="base new" times the builds .gl/ext_base.so.xz, .gl/ext_new.so.xz one after the other
 # (jaxflash alone, D 64/128, S 4k/16k, both directions) and leaves the last one installed.
 # Carry: .whl (flash-attn3-jax + einops wheels) and, to skip the build there, a prebuilt
@@ -96,6 +96,11 @@ for stage in "$@"; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --segments --D $D $c --reps 1 2>&1 | tail -2 \
             | sed "s/^/$tool segments D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
+    # the causal backward's grid in sections of (b, kv head) pairs, the last one narrower
+    sanitize-sec) for tool in memcheck racecheck; do for D in 64 128 256; do
+          timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 \
+            benchmarks/profile_kernels.py --sections --D $D --causal --reps 1 2>&1 | tail -2 \
+            | sed "s/^/$tool sections D=$D: /" | tee -a "$OUT/sanitize.log"; done; done ;;
     sanitize-hdims) for DDv in "32 32" "96 96" "192 192" "256 256" "192 128" "128 64"; do
         read -r D Dv <<< "$DDv"; for tool in memcheck racecheck; do for c in "" --causal; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \

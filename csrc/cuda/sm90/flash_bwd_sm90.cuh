@@ -39,6 +39,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -153,7 +154,8 @@ __global__ void __launch_bounds__(384, 1)
                           const __grid_constant__ CUtensorMap tma_k,
                           const __grid_constant__ CUtensorMap tma_v,
                           const __grid_constant__ CUtensorMap tma_do,
-                          const __grid_constant__ CUtensorMap tma_dq, int key_tiles) {
+                          const __grid_constant__ CUtensorMap tma_dq, int key_tiles,
+                          int sec_pairs) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
   using Cfg = BwdCfgSm90<T, kHeadDim>;
@@ -186,11 +188,16 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_do_empty = bar_do_full + 8;         // kSplitCols: both dVs read it
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  // blockIdx.x enumerates (b, kv head, key tile), key tile fastest: the CTAs of one kv head
-  // read the same Q, dO tiles close together in time (L2).
+  // blockIdx.x enumerates sections of sec_pairs (b, kv head) pairs, and in each (key tile,
+  // pair), key tile slowest: the pairs' CTAs read the same Q, dO tiles close together in time
+  // (L2), and under causal masking the longest ones start first across the section
+  // (run_bwd_sm90). sec_pairs = 1: each pair's key tiles one after the other.
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
-  const int n0 = static_cast<int>(blockIdx.x % key_tiles) * kBlockN;
-  const int64_t bkh = blockIdx.x / key_tiles;
+  const int sec_first = static_cast<int>(blockIdx.x / (sec_pairs * key_tiles)) * sec_pairs;
+  const int sec_width = min(sec_pairs, static_cast<int>(p.b * p.kh) - sec_first);
+  const int sec_loc = static_cast<int>(blockIdx.x) - sec_first * key_tiles;
+  const int n0 = sec_loc / sec_width * kBlockN;
+  const int64_t bkh = sec_first + sec_loc % sec_width;
   const int64_t kvh = bkh % p.kh, b = bkh / p.kh;
   const int group = static_cast<int>(p.n / p.kh);
   int m_first = 0, m_end = (t_len + kBlockM - 1) / kBlockM;
@@ -801,6 +808,23 @@ __global__ void __launch_bounds__(384, 1)
 
 }  // namespace sm90
 
+// The (b, kv head) pairs in a section of the backward's grid (the kernel's blockIdx order).
+// Under causal masking a pair's CTAs run from S / 64 steps (key tile 0) down to 2, and one pair
+// after another leaves the last pairs' longest CTAs to start in the last wave: at 4k, 93% of the
+// SMs' cycles active (ncu). Sections of pairs whose key tiles fill a wave, their Q, dO and
+// dq_accum 32 MB of the L2, start them a wave earlier: 98%, and the kernel 3-4% faster at 3k-8k,
+// level at 16k (NOTES.md, twenty-second session). Not with the first-store tickets, which need
+// each pair's CTAs to start in diagonal order.
+inline int bwd_section_pairs(const BwdParams& p, int64_t key_tiles, bool causal) {
+  const int64_t pairs = p.b * p.kh;
+  if (!causal || p.dq_first_store || live_variant(p) || pairs <= 1) return 1;
+  const int64_t pair_bytes = std::max<int64_t>(p.t * p.h * 8 * (p.n / p.kh), 1);
+  const int64_t fit = std::max<int64_t>((int64_t{32} << 20) / pair_bytes, 1);
+  int64_t w = 1;
+  while (w * key_tiles < sm90::sm_count() && 2 * w <= fit) w *= 2;
+  return static_cast<int>(std::min(w, pairs));
+}
+
 // The sm90 backward on `stream`: preprocess, the main kernel above, convert; false (nothing
 // launched) when the TMA descriptors cannot be built. Preconditions (select.h use_bwd_sm90):
 // a cc 9.x device, no variant but the key-range rules (rules.cuh), not deterministic,
@@ -840,7 +864,8 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) == cudaSuccess)
     kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        q, tma_q, tma_k, tma_v, tma_do, tma_dq, static_cast<int>(key_tiles));
+        q, tma_q, tma_k, tma_v, tma_do, tma_dq, static_cast<int>(key_tiles),
+        bwd_section_pairs(q, key_tiles, kCausal));
   bwd::launch_convert_dq<T, kHeadDim>(p, stream);
   return true;
 }
