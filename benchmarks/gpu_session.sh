@@ -96,11 +96,12 @@ for stage in "$@"; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --segments --D $D $c --reps 1 2>&1 | tail -2 \
             | sed "s/^/$tool segments D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
-    # the causal backward's grid in sections of (b, kv head) pairs, the last one narrower
-    sanitize-sec) for tool in memcheck racecheck; do for D in 64 128 256; do
+    # the causal backward's grid in sections of (b, kv head) pairs, the last one narrower (past
+    # and within the first-store tickets' 2k keys)
+    sanitize-sec) for tool in memcheck racecheck; do for D in 64 128 256; do for S in 2500 1500; do
           timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 \
-            benchmarks/profile_kernels.py --sections --D $D --causal --reps 1 2>&1 | tail -2 \
-            | sed "s/^/$tool sections D=$D: /" | tee -a "$OUT/sanitize.log"; done; done ;;
+            benchmarks/profile_kernels.py --sections $S --D $D --causal --reps 1 2>&1 | tail -2 \
+            | sed "s/^/$tool sections S=$S D=$D: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
     sanitize-hdims) for DDv in "32 32" "96 96" "192 192" "256 256" "192 128" "128 64"; do
         read -r D Dv <<< "$DDv"; for tool in memcheck racecheck; do for c in "" --causal; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \

@@ -33,10 +33,10 @@ p.add_argument("--many-tiles", action="store_true",
                help="a ragged GQA problem of 1400 rows in more query tiles than an H100 has SMs "
                     "(144 of 192 rows at H = 64, 198 of 128 otherwise), so that CTAs of the "
                     "persistent forward (plain, and causal up to 4k rows) run two (sanitizers)")
-p.add_argument("--sections", action="store_true",
-               help="a causal GQA problem of 2500 rows, past the backward's first-store tickets, "
-                    "whose (b, kv head) pairs fill two sections of its grid, the last narrower "
-                    "(sanitizers)")
+p.add_argument("--sections", type=int, nargs="?", const=2500, default=None,
+               help="a causal GQA problem of this many rows (2500: past the backward's first-store "
+                    "tickets, 6 (b, kv head) pairs; up to 2048: within them, 10 pairs) whose pairs "
+                    "fill two sections of the backward's grid, the last narrower (sanitizers)")
 p.add_argument("--kv", type=int, default=300,
                help="keys of the --many-tiles problem")
 p.add_argument("--jump", action="store_true",
@@ -48,7 +48,8 @@ a = p.parse_args()
 B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small
                     else (2, 300, 700, 4, 2, a.D) if a.segments or a.rules
                     else (2, 1400, a.kv, 9, 3, a.D) if a.many_tiles
-                    else (3, 2500, 2500, 4, 2, a.D) if a.sections
+                    else (3 if a.sections > 2048 else 5, a.sections, a.sections, 4, 2, a.D)
+                    if a.sections
                     else (16384 // a.S, a.S, a.S, 2048 // a.D, 2048 // a.D, a.D))
 ids = {}
 if a.segments:

@@ -149,7 +149,8 @@ def test_grads_f32(impl, options, H):
                                    (4, 513, 4096, 4, 4, 128), (1, 4133, 4133, 4, 2, 128),
                                    (1, 4133, 3001, 4, 2, 64), (2, 640, 1999, 8, 4, 64),
                                    (2, 4133, 1000, 8, 2, 64), (1, 1100, 2001, 4, 2, 256),
-                                   (1, 2049, 700, 8, 2, 256), (3, 2500, 2500, 4, 2, 128)],
+                                   (1, 2049, 700, 8, 2, 256), (3, 2500, 2500, 4, 2, 128),
+                                   (5, 1500, 1500, 4, 2, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_cuda_long_sequences(dtype, is_causal, shape):
   """Many tiles in both directions, with ragged tails; the small SHAPES cover the edges. At

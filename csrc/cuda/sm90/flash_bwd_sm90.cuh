@@ -813,15 +813,18 @@ __global__ void __launch_bounds__(384, 1)
 // after another leaves the last pairs' longest CTAs to start in the last wave: at 4k, 93% of the
 // SMs' cycles active (ncu). Sections of pairs whose key tiles fill a wave, their Q, dO and
 // dq_accum 32 MB of the L2, start them a wave earlier: 98%, and the kernel 3-4% faster at 3k-8k,
-// level at 16k (NOTES.md, twenty-second session). Not with the first-store tickets, which need
-// each pair's CTAs to start in diagonal order.
+// level at 16k. With the first-store tickets (up to 2k keys) half a wave: a CTA that reaches a
+// query tile before the tile's own CTA has started stores its first dQ and the others wait for
+// that store, so a pair's CTAs should start close together (1.5-2% faster at 1k-2k; a wave:
+// 1% slower at D=128 1k). NOTES.md, twenty-second session.
 inline int bwd_section_pairs(const BwdParams& p, int64_t key_tiles, bool causal) {
   const int64_t pairs = p.b * p.kh;
-  if (!causal || p.dq_first_store || live_variant(p) || pairs <= 1) return 1;
+  if (!causal || live_variant(p) || pairs <= 1) return 1;
   const int64_t pair_bytes = std::max<int64_t>(p.t * p.h * 8 * (p.n / p.kh), 1);
   const int64_t fit = std::max<int64_t>((int64_t{32} << 20) / pair_bytes, 1);
+  const int64_t ctas = p.dq_first_store ? sm90::sm_count() / 2 : sm90::sm_count();
   int64_t w = 1;
-  while (w * key_tiles < sm90::sm_count() && 2 * w <= fit) w *= 2;
+  while (w * key_tiles < ctas && 2 * w <= fit) w *= 2;
   return static_cast<int>(std::min(w, pairs));
 }
 
