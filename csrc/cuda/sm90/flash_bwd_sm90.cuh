@@ -815,7 +815,7 @@ __global__ void __launch_bounds__(384, 1)
 // dq_accum 32 MB of the L2, start them a wave earlier: 98%, and the kernel 3-4% faster at 3k-8k,
 // level at 16k. With the first-store tickets (up to 2k keys) half a wave: a CTA that reaches a
 // query tile before the tile's own CTA has started stores its first dQ and the others wait for
-// that store, so a pair's CTAs should start close together (1.5-2% faster at 1k-2k; a wave:
+// that store, so a pair's CTAs should start close together (0.7-2% faster at 1k-2k; a wave:
 // 1% slower at D=128 1k). NOTES.md, twenty-second session.
 inline int bwd_section_pairs(const BwdParams& p, int64_t key_tiles, bool causal) {
   const int64_t pairs = p.b * p.kh;
