@@ -193,11 +193,9 @@ __global__ void __launch_bounds__(384, 1)
   // (L2), and under causal masking the longest ones start first across the section
   // (run_bwd_sm90). sec_pairs = 1: each pair's key tiles one after the other.
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
-  const int sec_first = static_cast<int>(blockIdx.x / (sec_pairs * key_tiles)) * sec_pairs;
-  const int sec_width = min(sec_pairs, static_cast<int>(p.b * p.kh) - sec_first);
-  const int sec_loc = static_cast<int>(blockIdx.x) - sec_first * key_tiles;
-  const int n0 = sec_loc / sec_width * kBlockN;
-  const int64_t bkh = sec_first + sec_loc % sec_width;
+  const int2 st = section_tile(blockIdx.x, sec_pairs, static_cast<unsigned>(p.b * p.kh), key_tiles);
+  const int n0 = st.x * kBlockN;
+  const int64_t bkh = st.y;
   const int64_t kvh = bkh % p.kh, b = bkh / p.kh;
   const int group = static_cast<int>(p.n / p.kh);
   int m_first = 0, m_end = (t_len + kBlockM - 1) / kBlockM;

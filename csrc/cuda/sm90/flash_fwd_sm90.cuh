@@ -232,11 +232,9 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // Sections of sec_heads heads whose K/V fit in the L2, and in each the query tiles
       // longest first, tile m_block of every head before the shorter ones: the CTAs' last
       // tiles are the shortest of all.
-      const int first = t / (sec_heads * num_m_blocks) * sec_heads;
-      const int width = min(sec_heads, static_cast<int>(p.b * p.n) - first);
-      const int t_loc = t - first * num_m_blocks;
-      m_block = t_loc / width;
-      bn = first + t_loc % width;
+      const int2 st = section_tile(t, sec_heads, static_cast<int>(p.b * p.n), num_m_blocks);
+      m_block = st.x;
+      bn = st.y;
     }
     n = bn % p.n, b = bn / p.n;
     if (kCausal || (kRules && p.is_causal)) m_block = num_m_blocks - 1 - m_block;

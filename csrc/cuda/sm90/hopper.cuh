@@ -249,6 +249,18 @@ inline EncodeTiledFn encode_tiled() {
   return fn;
 }
 
+// Tile t of a grid that runs sections of `sec` units (heads, or (b, kv head) pairs) of `tiles`
+// tiles each, the tile index slowest within a section (every unit's tile 0 first; the last
+// section may be narrower): {tile, unit}.
+// (All non-negative: unsigned division is the cheaper.)
+__device__ __forceinline__ int2 section_tile(unsigned t, unsigned sec, unsigned units,
+                                             unsigned tiles) {
+  const unsigned first = t / (sec * tiles) * sec;
+  const unsigned width = min(sec, units - first);
+  const unsigned loc = t - first * tiles;
+  return make_int2(static_cast<int>(loc / width), static_cast<int>(first + loc % width));
+}
+
 // The current device's SM count (a persistent grid's size), cached per device; 132 when the
 // runtime cannot say (an H100 SXM).
 inline int sm_count() {
