@@ -396,6 +396,9 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     const int g = lane / 4, tig = lane % 4;    // accumulator rows g, g + 8; column pair tig
     const bool o_leader = warp % 4 == 0 && lane == 0;  // issues the warpgroup's O stores
     constexpr int kNS = kBlockN / 2;   // S accumulator floats per thread: (64, kBlockN) / 128
+    // Causal 128 x 128 tiles: S of warpgroup 0's diagonal key tile at half width (the
+    // prologue below).
+    constexpr bool kHalfFirst = kCausal && kBlockN == 128 && kWGs == 2;
     constexpr int kNO = kHeadDim / 2;  // O accumulator floats per thread: (64, H) / 128
     // Accumulator element 4 i + c sits at row g + 8 (c / 2), column 8 i + 2 tig + c % 2.
 
@@ -439,19 +442,34 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
 
       // The steps of one key tile it (ring stage it % kStages): tile j = j_lo + n_blocks - 1 - it,
       // in the rules kernel the stage's seg.tile.
-      // S = Q K^T: (64, kBlockN) per warpgroup, K = H in k16 steps; committed, not waited for.
-      auto issue_qk = [&](float (&acc_s)[kNS], int it) {
+      // S = Q K^T: (64, N) per warpgroup, K = H in k16 steps; committed, not waited for. N is
+      // kBlockN, or half that (issue_qk_half) for the first kBlockN / 2 keys of the stage's
+      // tile, into an array of its own: with one GEMM's accumulator a part of another's, ptxas
+      // serialises every wgmma of the kernel (C7511).
+      auto wait_k = [&](int it) {  // the byte offset of the stage holding K of tile it
         const int q = kv_base + it;
-        const uint32_t stage = (q % kStages) * Cfg::kKVBytes;
         mbar_wait(bar_k + 8 * (q % kStages), (q / kStages) & 1);
         wgmma_fence();
+        return static_cast<uint32_t>((q % kStages) * Cfg::kKVBytes);
+      };
+      // k16 step kk: 32 bytes a step inside a 128-byte row, then the next column block
+      auto desc_q = [&](int kk) { return desc_at(d_q, (kk / 4) * kBlockM * kRowBytes + (kk % 4) * 32); };
+      auto desc_k = [&](uint32_t stage, int kk) {
+        return desc_at(d_k, stage + (kk / 4) * kBlockN * kRowBytes + (kk % 4) * 32);
+      };
+      auto issue_qk = [&](float (&acc_s)[kNS], int it) {
+        const uint32_t stage = wait_k(it);
 #pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-          const uint32_t col = (kk % 4) * 32;  // byte offset of k16 step kk inside a 128-byte row
-          Wgmma<kBlockN>::template ss<T>(acc_s, desc_at(d_q, (kk / 4) * kBlockM * kRowBytes + col),
-                                         desc_at(d_k, stage + (kk / 4) * kBlockN * kRowBytes + col),
-                                         kk > 0);
-        }
+        for (int kk = 0; kk < kHeadDim / 16; ++kk)
+          Wgmma<kBlockN>::template ss<T>(acc_s, desc_q(kk), desc_k(stage, kk), kk > 0);
+        wgmma_commit();
+      };
+      constexpr int kNH = kHalfFirst ? kBlockN / 2 : kBlockN;
+      auto issue_qk_half = [&](float (&acc_h)[kNH / 2], int it) {
+        const uint32_t stage = wait_k(it);
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk)
+          Wgmma<kNH>::template ss<T>(acc_h, desc_q(kk), desc_k(stage, kk), kk > 0);
         wgmma_commit();
       };
       // O += P V: K = kBlockN keys in k16 steps of 16 rows (2 swizzle atoms, 2048 bytes) of
@@ -482,7 +500,9 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       };
       // Keys >= S and under causal keys s > t (or what the rules hide) set to -inf in a
       // completed S, only on tiles that need it.
-      auto mask_tile = [&](float (&acc_s)[kNS], int it) {
+      // ns: the floats of acc_s that hold S (kNS, or kNS / 2 on a half tile); the lambdas
+      // take a pointer because the half tile's array is a type of its own.
+      auto mask_tile = [&](float* acc_s, int it, int ns) {
         const int n0 = (kRules ? seg.tile[(kv_base + it) % kStages] : j_lo + n_blocks - 1 - it) *
                        kBlockN;
         if constexpr (kRules) {
@@ -526,7 +546,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
               const int col = 8 * i + c % 2;
-              if (col >= kv_lim || (kCausal && col - 8 * (c / 2) > diag_lim))
+              if (4 * i < ns && (col >= kv_lim || (kCausal && col - 8 * (c / 2) > diag_lim)))
                 acc_s[4 * i + c] = -INFINITY;
             }
         }
@@ -535,14 +555,14 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // logits, l rescaled and P = 2^(S * scale_log2 - m) in place, one FFMA and one exp2 per
       // element (the FP32 and MUFU pipes, not the tensor cores, bound this step); corr =
       // 2^(m_old - m_new) is left for O, which may still be accumulating the previous tile.
-      auto softmax = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
-        mask_tile(acc_s, it);
+      auto softmax = [&](float* acc_s, int it, float (&corr)[2], int ns) {
+        mask_tile(acc_s, it, ns);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float mx = -INFINITY;  // of the raw logits: the scale is positive
 #pragma unroll
           for (int i = 0; i < kNS / 4; ++i)
-            mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
+            if (4 * i < ns) mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
           mx = fmaxf(row_max[h], quad_max(mx) * p.scale_log2);
           // A row with no visible key so far keeps m = -inf; subtracting 0 then gives P = 0.
           const float m_use = mx == -INFINITY ? 0.f : mx;
@@ -553,6 +573,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
           for (int i = 0; i < kNS / 4; ++i)
 #pragma unroll
             for (int c = 2 * h; c < 2 * h + 2; ++c) {
+              if (4 * i >= ns) break;
               acc_s[4 * i + c] = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -m_use));
               row_sum[h] += acc_s[4 * i + c];
             }
@@ -604,7 +625,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // (recompute_s) and take the exact path. Every row of the warp has a finite m (a
       // visible key in an earlier tile).
       auto softmax_lazy = [&](float (&acc_s)[kNS], int it, float (&corr)[2]) {
-        mask_tile(acc_s, it);
+        mask_tile(acc_s, it, kNS);
         float mx[2] = {-INFINITY, -INFINITY}, tile_sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < kNS / 4; ++i)
@@ -649,9 +670,13 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       };
       // P as wgmma A fragments: per warp the m16k16 layout of mma.sync, so k16 step kk is
       // accumulator columns 16 kk .. 16 kk + 15, i.e. elements 8 kk .. 8 kk + 7.
-      auto convert_p = [&](const float (&acc_s)[kNS], uint32_t (&rP)[kBlockN / 16][4]) {
+      auto convert_p = [&](const float* acc_s, uint32_t (&rP)[kBlockN / 16][4], int ns) {
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          if (8 * kk >= ns) {  // keys past a half tile: P = 0
+            rP[kk][0] = rP[kk][1] = rP[kk][2] = rP[kk][3] = 0u;
+            continue;
+          }
           rP[kk][0] = pack2<T>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);  // row g,     k 2tig
           rP[kk][1] = pack2<T>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);  // row g + 8, k 2tig
           rP[kk][2] = pack2<T>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);  // row g,     k 8 + 2tig
@@ -681,17 +706,39 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // together; the softmax of tile it runs while P V still does, and only the O rescale
       // waits for it.
       uint32_t rP[kBlockN / 16][4];  // P of the previous tile, read by its in-flight P V
+      // The first key tile visited holds the last keys. Where none of this warpgroup's rows
+      // sees its upper half (the causal diagonal of a 128-row tile's first 64 rows, or S's
+      // end), S and its softmax run on the lower half (at 1k keys -2.5% at H = 64, -1.5% at
+      // 128; NOTES.md, twenty-third session). P V keeps K = kBlockN with P = 0 above: ptxas
+      // closes the wgmma group at a branch with a group of its own, and the loop's wait<1>
+      // would then wait for P V.
+      bool half = false;
+      if constexpr (kHalfFirst)
+        half = min(s_len, m0 + 64 * cw + 64) - (j_lo + n_blocks - 1) * kBlockN <= kBlockN / 2;
       if (n_blocks > 0) {
-        float acc_s[kNS], corr[2];
+        // O is still 0: no rescale
+        float corr[2];
         turn_begin();
-        issue_qk(acc_s, 0);
-        turn_end();
-        wgmma_wait<0>();
-        fence_regs(acc_s);
-        if (!kRules) release_k(0);
-        softmax(acc_s, 0, corr);  // O is still 0: no rescale
-        if (kRules) release_k(0);
-        convert_p(acc_s, rP);
+        if (kHalfFirst && half) {
+          float acc_s[kNH / 2];
+          issue_qk_half(acc_s, 0);
+          turn_end();
+          wgmma_wait<0>();
+          fence_regs(acc_s);
+          release_k(0);
+          softmax(acc_s, 0, corr, kNH / 2);
+          convert_p(acc_s, rP, kNH / 2);
+        } else {
+          float acc_s[kNS];
+          issue_qk(acc_s, 0);
+          turn_end();
+          wgmma_wait<0>();
+          fence_regs(acc_s);
+          if (!kRules) release_k(0);
+          softmax(acc_s, 0, corr, kNS);
+          if (kRules) release_k(0);
+          convert_p(acc_s, rP, kNS);
+        }
       }
       for (int it = 1; it < n_blocks; ++it) {
         float acc_s[kNS], corr[2];
@@ -709,13 +756,13 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         if (Cfg::kLazyMax && __all_sync(0xffffffffu, row_max[0] != -INFINITY && row_max[1] != -INFINITY))
           lazy = softmax_lazy(acc_s, it, corr);
         if (lazy == 2) recompute_s(acc_s, it);
-        if (lazy < 0 || lazy == 2) softmax(acc_s, it, corr);
+        if (lazy < 0 || lazy == 2) softmax(acc_s, it, corr, kNS);
         if (kHoldK) release_k(it);
         wgmma_wait<0>();
         fence_regs(acc_o);
         release_v(it - 1);
         if (lazy != 0) rescale_o(corr);
-        convert_p(acc_s, rP);
+        convert_p(acc_s, rP, kNS);
       }
       if (n_blocks > 0) {
         turn_begin();
