@@ -396,9 +396,9 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     const int g = lane / 4, tig = lane % 4;    // accumulator rows g, g + 8; column pair tig
     const bool o_leader = warp % 4 == 0 && lane == 0;  // issues the warpgroup's O stores
     constexpr int kNS = kBlockN / 2;   // S accumulator floats per thread: (64, kBlockN) / 128
-    // Causal 128 x 128 tiles: S of warpgroup 0's diagonal key tile at half width (the
-    // prologue below).
-    constexpr bool kHalfFirst = kCausal && kBlockN == 128 && kWGs == 2;
+    // Causal 128-row tiles: S of a warpgroup's first key tile at half width where its rows
+    // see no key of the upper half (the prologue below).
+    constexpr bool kHalfFirst = kCausal && kWGs == 2 && (kBlockN == 128 || kBlockN == 80);
     constexpr int kNO = kHeadDim / 2;  // O accumulator floats per thread: (64, H) / 128
     // Accumulator element 4 i + c sits at row g + 8 (c / 2), column 8 i + 2 tig + c % 2.
 
@@ -672,16 +672,13 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // accumulator columns 16 kk .. 16 kk + 15, i.e. elements 8 kk .. 8 kk + 7.
       auto convert_p = [&](const float* acc_s, uint32_t (&rP)[kBlockN / 16][4], int ns) {
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          if (8 * kk >= ns) {  // keys past a half tile: P = 0
-            rP[kk][0] = rP[kk][1] = rP[kk][2] = rP[kk][3] = 0u;
-            continue;
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            // r: (row g | g + 8) x (k 2tig | 8 + 2tig); P = 0 for keys past a half tile
+            const int e = 8 * kk + 2 * r;
+            rP[kk][r] = e < ns ? pack2<T>(acc_s[e], acc_s[e + 1]) : 0u;
           }
-          rP[kk][0] = pack2<T>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);  // row g,     k 2tig
-          rP[kk][1] = pack2<T>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);  // row g + 8, k 2tig
-          rP[kk][2] = pack2<T>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);  // row g,     k 8 + 2tig
-          rP[kk][3] = pack2<T>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);  // row g + 8, k 8 + 2tig
-        }
       };
 
       // Ping-pong (FA3): the consumer warpgroups take turns issuing their GEMMs, in a ring, so
@@ -708,8 +705,9 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       uint32_t rP[kBlockN / 16][4];  // P of the previous tile, read by its in-flight P V
       // The first key tile visited holds the last keys. Where none of this warpgroup's rows
       // sees its upper half (the causal diagonal of a 128-row tile's first 64 rows, or S's
-      // end), S and its softmax run on the lower half (at 1k keys -2.5% at H = 64, -1.5% at
-      // 128; NOTES.md, twenty-third session). P V keeps K = kBlockN with P = 0 above: ptxas
+      // end), S and its softmax run on the lower half (ncu at 1k keys: -2.5% at H = 64, -1.5%
+      // at 128, -1.4 to -2% at 256, where 80-key tiles leave warpgroup 0 no visible key of its
+      // first tile at most query tiles; NOTES.md, twenty-third session). P V keeps K = kBlockN with P = 0 above: ptxas
       // closes the wgmma group at a branch with a group of its own, and the loop's wait<1>
       // would then wait for P V.
       bool half = false;

@@ -4,7 +4,7 @@ Each N needs an asm statement listing its N/2 accumulator registers, which the C
 preprocessor cannot count out, hence a generator. Run: python3 gen_wgmma.py > wgmma_gen.h
 """
 
-SS_N = (32, 64, 80, 128, 192)  # S = Q K^T: N = kBlockN; bwd S^T = K Q^T: N = queries a WG
+SS_N = (32, 40, 64, 80, 128, 192)  # S = Q K^T: N = kBlockN; bwd S^T = K Q^T: N = queries a WG
 RS_N = (64, 128, 256)          # O += P V, backward dV += P^T dO, dK += dS^T Q: N = head dim
 TT_N = (64, 128)               # bwd dQ = dS K (N = 64), H = 256 dV, dK (N = 128 columns)
 TS_N = (64,)                   # backward dQ^T = K^T dS^T at H >= 128, A MN-major: N = 64 queries

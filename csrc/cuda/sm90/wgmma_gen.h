@@ -38,6 +38,28 @@ struct Wgmma<32> {
 };
 
 template <>
+struct Wgmma<40> {
+  // d (64 x N fp32) = A (64 x 16) B^T (N x 16) + (scale_d ? d : 0); A and B K-major
+  // in shared memory (descriptors a, b).
+  template <typename T>
+  __device__ static __forceinline__ void ss(float (&d)[20], uint64_t a, uint64_t b, int scale_d) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, %20, %21, p, 1, 1, 0, 0;\n}\n"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19])
+                   : "l"(a), "l"(b), "r"(scale_d)
+                   : "memory");
+    } else {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, %20, %21, p, 1, 1, 0, 0;\n}\n"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19])
+                   : "l"(a), "l"(b), "r"(scale_d)
+                   : "memory");
+    }
+  }
+};
+
+template <>
 struct Wgmma<64> {
   // d (64 x N fp32) = A (64 x 16) B^T (N x 16) + (scale_d ? d : 0); A and B K-major
   // in shared memory (descriptors a, b).
