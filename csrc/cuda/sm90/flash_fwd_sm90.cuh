@@ -154,8 +154,8 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
   // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], (kStageO) sO,
-  // then mbarriers q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages],
-  // q_empty, the next tile (kDynamic), then (kRules) the SegShared.
+  // then mbarriers q[kColBlocks], full_k[kStages], full_v[kStages], empty_k[kStages],
+  // empty_v[kStages], q_empty, the next tile (kDynamic), then (kRules) the SegShared.
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
@@ -164,7 +164,7 @@ struct FwdCfgSm90 {
   // in an sO of its own when persistent (sQ may hold the next tile's Q by then).
   static constexpr bool kStageO = kPersistent;
   static constexpr uint32_t kOffBar = kOffO + (kStageO ? kQBytes : 0);
-  static constexpr int kNumBars = 2 + 4 * kStages;
+  static constexpr int kNumBars = kColBlocks + 1 + 4 * kStages;
   static constexpr uint32_t kOffNext = kOffBar + kNumBars * 8;  // int next_tile (kDynamic)
   static constexpr uint32_t kOffSeg = (kOffNext + 4 + 15) / 16 * 16;
   using Seg = SegShared<kBlockN, kStages>;
@@ -202,8 +202,8 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
   const uint32_t sQ = base + Cfg::kOffQ;  // (kColBlocks, kBlockM, 64)
   const uint32_t sK = base + Cfg::kOffK;  // (kStages, kColBlocks, kBlockN, 64)
   const uint32_t sV = base + Cfg::kOffV;  // (kStages, kColBlocks, kBlockN, 64)
-  const uint32_t bar_q = base + Cfg::kOffBar;
-  const uint32_t bar_k = bar_q + 8;                 // full_k[stage] at + 8 * stage
+  const uint32_t bar_q = base + Cfg::kOffBar;  // q[cb]: column block cb of sQ, at + 8 * cb
+  const uint32_t bar_k = bar_q + 8 * Cfg::kColBlocks;  // full_k[stage] at + 8 * stage
   const uint32_t bar_v = bar_k + 8 * kStages;       // full_v[stage]
   const uint32_t bar_empty_k = bar_v + 8 * kStages;      // empty_k[stage]
   const uint32_t bar_empty_v = bar_empty_k + 8 * kStages;  // empty_v[stage]
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     if (tid == 0) seg.num_live = max(0, n_cand - Seg::kLiveTiles);
   }
   if (tid == 0) {
-    mbar_init(bar_q, 1);
+    for (int cb = 0; cb < Cfg::kColBlocks; ++cb) mbar_init(bar_q + 8 * cb, 1);
     for (int s = 0; s < kStages; ++s) {
       // the rules kernel: every lane of producer warp 0, which writes the stage's tile and ids
       mbar_init(bar_k + 8 * s, kRules ? 32 : 1);
@@ -286,13 +286,17 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
   __syncthreads();
 
   // TMA box coordinates, innermost first: (column, head, row, batch).
+  // Q's column blocks on barriers of their own: a tile's first S GEMMs start once the first
+  // has landed (ncu: -1.2 to -2% at H = 256, -0.5 to -0.9% causal at 128 and 64; NOTES.md,
+  // twenty-third session).
   auto load_q = [&] {
     const int ci_n = static_cast<int>(n), ci_b = static_cast<int>(b);
-    mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
 #pragma unroll
-    for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
-      tma_load_4d(sQ + cb * kBlockM * kRowBytes, &tma_q, bar_q, cb * 64, ci_n, m0, ci_b,
+    for (int cb = 0; cb < Cfg::kColBlocks; ++cb) {
+      mbar_arrive_expect_tx(bar_q + 8 * cb, Cfg::kQBytes / Cfg::kColBlocks);
+      tma_load_4d(sQ + cb * kBlockM * kRowBytes, &tma_q, bar_q + 8 * cb, cb * 64, ci_n, m0, ci_b,
                   L2Hint::kFirst);
+    }
   };
   // K (or V) of key tile j into ring stage s of sK (sV), completing on full_k[s] (full_v[s]).
   auto load_tile = [&](const CUtensorMap* map, uint32_t ring, uint32_t full, int s, int j) {
@@ -457,19 +461,29 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       auto desc_k = [&](uint32_t stage, int kk) {
         return desc_at(d_k, stage + (kk / 4) * kBlockN * kRowBytes + (kk % 4) * 32);
       };
-      auto issue_qk = [&](float (&acc_s)[kNS], int it) {
+      // first: the tile's first S, which waits for each column block of Q past the first
+      // (waited for at the tile's start) as it reaches it; ptxas closes the wgmma group before
+      // the wait (the prologue waits for all of it anyway).
+      auto wait_q = [&](bool first, int kk) {
+        if (first && kk % 4 == 0 && kk > 0) mbar_wait(bar_q + 8 * (kk / 4), k & 1);
+      };
+      auto issue_qk = [&](float (&acc_s)[kNS], int it, bool first) {
         const uint32_t stage = wait_k(it);
 #pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk)
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          wait_q(first, kk);
           Wgmma<kBlockN>::template ss<T>(acc_s, desc_q(kk), desc_k(stage, kk), kk > 0);
+        }
         wgmma_commit();
       };
       constexpr int kNH = kHalfFirst ? kBlockN / 2 : kBlockN;
       auto issue_qk_half = [&](float (&acc_h)[kNH / 2], int it) {
         const uint32_t stage = wait_k(it);
 #pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk)
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          wait_q(true, kk);
           Wgmma<kNH>::template ss<T>(acc_h, desc_q(kk), desc_k(stage, kk), kk > 0);
+        }
         wgmma_commit();
       };
       // O += P V: K = kBlockN keys in k16 steps of 16 rows (2 swizzle atoms, 2048 bytes) of
@@ -728,7 +742,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
           convert_p(acc_s, rP, kNH / 2);
         } else {
           float acc_s[kNS];
-          issue_qk(acc_s, 0);
+          issue_qk(acc_s, 0, true);
           turn_end();
           wgmma_wait<0>();
           fence_regs(acc_s);
@@ -741,7 +755,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       for (int it = 1; it < n_blocks; ++it) {
         float acc_s[kNS], corr[2];
         turn_begin();
-        issue_qk(acc_s, it);
+        issue_qk(acc_s, it, false);
         issue_pv(rP, it - 1);
         turn_end();
         wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
