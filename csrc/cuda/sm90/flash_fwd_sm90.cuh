@@ -126,6 +126,25 @@ __device__ __forceinline__ int2 load_ids(int (&v)[4], const int32_t* ids, int ba
   return make_int2(__reduce_min_sync(0xffffffffu, id_lo), __reduce_max_sync(0xffffffffu, id_hi));
 }
 
+// S (64, N) = Q K^T of a warpgroup from its descriptors d_q (rows of kBlockM) and d_k (the K
+// stage at byte `stage`, rows of kBlockN): H / 16 k16 steps, each 32 bytes into a 128-byte
+// swizzled row, column block kk / 4. `first` (a tile's first S): each column block of Q past the
+// first is waited for on q[cb] (bar_q + 8 cb, phase parity `parity`) right before its first
+// step; ptxas closes the wgmma group before each wait. Committed, not waited for.
+template <typename T, int N, int kHeadDim, int kBlockM, int kBlockN>
+__device__ __forceinline__ void issue_s(float (&acc)[N / 2], uint64_t d_q, uint64_t d_k,
+                                        uint32_t stage, bool first, uint32_t bar_q,
+                                        uint32_t parity) {
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    if (first && kk % 4 == 0 && kk > 0) mbar_wait(bar_q + 8 * (kk / 4), parity);
+    Wgmma<N>::template ss<T>(acc, desc_at(d_q, (kk / 4) * kBlockM * 128 + (kk % 4) * 32),
+                             desc_at(d_k, stage + (kk / 4) * kBlockN * 128 + (kk % 4) * 32),
+                             kk > 0);
+  }
+  wgmma_commit();
+}
+
 // kPersistent: a grid of one CTA per SM (see the kernel); kNarrow: 128-key tiles
 // (FwdTileSm90); kWGs: consumer warpgroups (3 only at H = 64, in 160 registers: S, P and O
 // take 128); run_fwd_sm90 says where each runs.
@@ -456,35 +475,15 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         wgmma_fence();
         return static_cast<uint32_t>((q % kStages) * Cfg::kKVBytes);
       };
-      // k16 step kk: 32 bytes a step inside a 128-byte row, then the next column block
-      auto desc_q = [&](int kk) { return desc_at(d_q, (kk / 4) * kBlockM * kRowBytes + (kk % 4) * 32); };
-      auto desc_k = [&](uint32_t stage, int kk) {
-        return desc_at(d_k, stage + (kk / 4) * kBlockN * kRowBytes + (kk % 4) * 32);
-      };
-      // first: the tile's first S, which waits for each column block of Q past the first
-      // (waited for at the tile's start) as it reaches it; ptxas closes the wgmma group before
-      // the wait (the prologue waits for all of it anyway).
-      auto wait_q = [&](bool first, int kk) {
-        if (first && kk % 4 == 0 && kk > 0) mbar_wait(bar_q + 8 * (kk / 4), k & 1);
-      };
+      // first: the tile's first S, which waits for Q's column blocks past the first (the
+      // tile's start waited for that one) as it reaches them (issue_s).
       auto issue_qk = [&](float (&acc_s)[kNS], int it, bool first) {
-        const uint32_t stage = wait_k(it);
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-          wait_q(first, kk);
-          Wgmma<kBlockN>::template ss<T>(acc_s, desc_q(kk), desc_k(stage, kk), kk > 0);
-        }
-        wgmma_commit();
+        issue_s<T, kBlockN, kHeadDim, kBlockM, kBlockN>(acc_s, d_q, d_k, wait_k(it), first, bar_q,
+                                                        k & 1);
       };
       constexpr int kNH = kHalfFirst ? kBlockN / 2 : kBlockN;
       auto issue_qk_half = [&](float (&acc_h)[kNH / 2], int it) {
-        const uint32_t stage = wait_k(it);
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-          wait_q(true, kk);
-          Wgmma<kNH>::template ss<T>(acc_h, desc_q(kk), desc_k(stage, kk), kk > 0);
-        }
-        wgmma_commit();
+        issue_s<T, kNH, kHeadDim, kBlockM, kBlockN>(acc_h, d_q, d_k, wait_k(it), true, bar_q, k & 1);
       };
       // O += P V: K = kBlockN keys in k16 steps of 16 rows (2 swizzle atoms, 2048 bytes) of
       // every column block; N = H, the column blocks LBO = kBlockN * 128 bytes apart.
