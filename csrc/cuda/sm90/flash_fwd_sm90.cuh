@@ -586,7 +586,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
           for (int i = 0; i < kNS / 4; ++i)
 #pragma unroll
             for (int c = 2 * h; c < 2 * h + 2; ++c) {
-              if (4 * i >= ns) break;
+              if (4 * i >= ns) continue;
               acc_s[4 * i + c] = exp2_approx(fmaf(acc_s[4 * i + c], p.scale_log2, -m_use));
               row_sum[h] += acc_s[4 * i + c];
             }
@@ -720,15 +720,22 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // sees its upper half (the causal diagonal of a 128-row tile's first 64 rows, or S's
       // end), S and its softmax run on the lower half (ncu at 1k keys: -2.5% at H = 64, -1.5%
       // at 128, -1.4 to -2% at 256, where 80-key tiles leave warpgroup 0 no visible key of its
-      // first tile at most query tiles; NOTES.md, twenty-third session). P V keeps K = kBlockN with P = 0 above: ptxas
-      // closes the wgmma group at a branch with a group of its own, and the loop's wait<1>
-      // would then wait for P V.
+      // first tile at most query tiles; NOTES.md, twenty-third session). P V keeps K = kBlockN
+      // with P = 0 above: ptxas closes the wgmma group at a branch with a group of its own, and
+      // the loop's wait<1> would then wait for P V.
       bool half = false;
       if constexpr (kHalfFirst)
         half = min(s_len, m0 + 64 * cw + 64) - (j_lo + n_blocks - 1) * kBlockN <= kBlockN / 2;
-      if (n_blocks > 0) {
-        // O is still 0: no rescale
+      // The first tile's completed S (ns of its floats): its softmax (O is still 0: no
+      // rescale) and P.
+      auto first_tile = [&](float* acc_s, int ns) {
         float corr[2];
+        if (!kRules) release_k(0);
+        softmax(acc_s, 0, corr, ns);
+        if (kRules) release_k(0);
+        convert_p(acc_s, rP, ns);
+      };
+      if (n_blocks > 0) {
         turn_begin();
         if (kHalfFirst && half) {
           float acc_s[kNH / 2];
@@ -736,19 +743,14 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
           turn_end();
           wgmma_wait<0>();
           fence_regs(acc_s);
-          release_k(0);
-          softmax(acc_s, 0, corr, kNH / 2);
-          convert_p(acc_s, rP, kNH / 2);
+          first_tile(acc_s, kNH / 2);
         } else {
           float acc_s[kNS];
           issue_qk(acc_s, 0, true);
           turn_end();
           wgmma_wait<0>();
           fence_regs(acc_s);
-          if (!kRules) release_k(0);
-          softmax(acc_s, 0, corr, kNS);
-          if (kRules) release_k(0);
-          convert_p(acc_s, rP, kNS);
+          first_tile(acc_s, kNS);
         }
       }
       for (int it = 1; it < n_blocks; ++it) {
