@@ -2,7 +2,8 @@
 
 Shapes follow ANCHORS.md: bf16, B = tokens / S, N = hidden / D, D in {64, 128} (and 256
 reported), S in {1k, 4k, 16k}, causal and not; TFLOP/s with fwd = 4*B*N*S^2*D (halved when
-causal) and bwd = 2.5 x fwd. Medians of warm runs. Peers: cuDNN (jax.nn), flash-attn3-jax when
+causal) and bwd = 2.5 x fwd. Medians of warm runs, taken in rounds that time every
+implementation of a point in turn (jaxflash.bench.medians_together). Peers: cuDNN (jax.nn), flash-attn3-jax when
 installed, Mosaic GPU (JAX's Pallas Hopper attention: fp16, forward only, as ANCHORS.md) and XLA.
 Only outputs that are right are timed (MAX_OUTPUT_ERROR): a peer whose output or gradients
 are wrong at a point shows '-' there, with the error listed under the table.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform as pyplatform
@@ -24,8 +26,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, UNSCALED, flops,
-                            output_errors, peers, progress, time_attention)
+from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, UNSCALED, attention_calls,
+                            flops, output_errors, peers, prepare, progress, time_together)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 XLA_MAX_S = 4096  # XLA materialises (B, N, S, S) logits; 16k does not fit
@@ -59,57 +61,65 @@ def environment(commit: str, tokens: int, hidden: int) -> dict:
 def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]:
   every = peers(jax.default_backend())
   impls = {n: f for n, f in every.items() if n in names}
-  points = [(d, s, c, n) for d in dims for s in seqlens for c in causals for n in impls]
-  rows, truth = [], {}  # truth: jaxflash's outputs (and gradients) of a point, per input dtype
-  for D, S, causal, name in progress(points, "bench"):
+  rows = []
+  for D, S, causal in progress([(d, s, c) for d in dims for s in seqlens for c in causals],
+                               "bench"):
     B, N = max(1, tokens // S), hidden // D
-    row = dict(impl=name, D=D, S=S, causal=causal, B=B, N=N, fwd=None, bwd=None)
-    dtype = INPUT_DTYPE.get(name, jnp.bfloat16)
-    grads = backward and name not in FORWARD_ONLY
-    if name == "xla" and S > XLA_MAX_S:
-      row["error"] = "skipped: O(S^2) memory"
-      rows.append(row)
-      continue
-    # a tuned peer (a dict of configs) reports its fastest forward
-    configs = impls[name] if isinstance(impls[name], dict) else {None: impls[name]}
-    errors, bwd_errors = [], []
-    for config, attn in configs.items():
-      label = f"{config}: " if config else ""
-      try:
-        if name != "jaxflash" and (D, S, causal, dtype) not in truth:
-          truth.clear()  # one point's outputs at a time
-          truth[D, S, causal, dtype] = output_errors(every["jaxflash"], B, S, S, N, N, D, causal,
-                                                     dtype, backward=backward)[1]
-        checked = attn
-        if name in UNSCALED:
-          checked = lambda q, k, v, c, attn=attn: attn((q * D ** -0.5).astype(q.dtype), k, v, c)
-        errs, got = output_errors(checked, B, S, S, N, N, D, causal, dtype,
-                                  against=truth.get((D, S, causal, dtype)), backward=grads)
+    point = {n: dict(impl=n, D=D, S=S, causal=causal, B=B, N=N, fwd=None, bwd=None)
+             for n in impls}
+    # checked first, one at a time; then every right one is timed in the same rounds
+    truth, builders, errors = {}, {}, {n: [] for n in impls}  # truth: jaxflash's, per dtype
+    for name, impl in impls.items():
+      if name == "xla" and S > XLA_MAX_S:
+        point[name]["error"] = "skipped: O(S^2) memory"
+        continue
+      dtype = INPUT_DTYPE.get(name, jnp.bfloat16)
+      grads = backward and name not in FORWARD_ONLY
+      # a tuned peer (a dict of configs) reports its fastest forward
+      for config, attn in (impl if isinstance(impl, dict) else {None: impl}).items():
+        label = f"{config}: " if config else ""
+        try:
+          if name != "jaxflash" and dtype not in truth:
+            truth[dtype] = output_errors(every["jaxflash"], B, S, S, N, N, D, causal, dtype,
+                                         backward=backward)[1]
+          checked = attn
+          if name in UNSCALED:
+            checked = lambda q, k, v, c, attn=attn: attn((q * D ** -0.5).astype(q.dtype), k, v, c)
+          errs, got = output_errors(checked, B, S, S, N, N, D, causal, dtype,
+                                    against=truth.get(dtype), backward=grads)
+        except Exception as e:  # a peer that cannot run a shape shows as '-'
+          errors[name].append(f"{label}{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+          continue
         if name == "jaxflash":  # checked against the reference: the truth for the peers
-          truth.clear()
-          truth[D, S, causal, dtype] = got
+          truth[dtype] = got
         if not errs[0] <= MAX_OUTPUT_ERROR:  # NaN too
-          errors.append(f"{label}wrong output, max error {errs[0]:.2g}")
+          errors[name].append(f"{label}wrong output, max error {errs[0]:.2g}")
           continue
         bwd_ok = all(e <= MAX_OUTPUT_ERROR for e in errs[1:])
         if not bwd_ok:
-          bwd_errors.append(f"{label}wrong gradients, max error (dq, dk, dv) " +
-                            ", ".join(f"{e:.2g}" for e in errs[1:]))
-        t_fwd, t_bwd = time_attention(attn, B, S, S, N, N, D, causal, dtype,
-                                      backward=grads and bwd_ok)
-      except Exception as e:  # a peer that cannot run a shape shows as '-'
-        errors.append(f"{label}{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        continue
+          errors[name].append(f"{label}wrong gradients, max error (dq, dk, dv) " +
+                              ", ".join(f"{e:.2g}" for e in errs[1:]))
+        builders[name, config] = functools.partial(attention_calls, attn, B, S, S, N, N, D,
+                                                   causal, dtype, backward=grads and bwd_ok)
+    calls, failed = prepare(builders)
+    for (name, config), e in failed.items():
+      errors[name].append(f"{f'{config}: ' if config else ''}{e}")
+    for (name, config), (t_fwd, t_bwd) in time_together(calls).items():
+      row = point[name]
       if row["fwd"] is None or t_fwd < row["fwd_ms"] / 1e3:
         row["fwd"] = flops(B, N, S, S, D, causal, "fwd") / t_fwd / 1e12
         row["bwd"] = flops(B, N, S, S, D, causal, "bwd") / t_bwd / 1e12 if t_bwd else None
         row["fwd_ms"], row["bwd_ms"] = t_fwd * 1e3, (t_bwd or 0) * 1e3
         row["config"] = config
-    if row["fwd"] is None:
-      row["error"] = "; ".join(errors + bwd_errors)
-    elif grads and row["bwd"] is None and bwd_errors:
-      row["error"] = "backward not timed: " + "; ".join(bwd_errors)
-    rows.append(row)
+    del calls
+    for name, row in point.items():
+      if "error" in row:
+        pass
+      elif row["fwd"] is None:
+        row["error"] = "; ".join(errors[name])
+      elif backward and name not in FORWARD_ONLY and row["bwd"] is None and errors[name]:
+        row["error"] = "backward not timed: " + "; ".join(errors[name])
+      rows.append(row)
   return rows
 
 

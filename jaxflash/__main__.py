@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 import jaxflash
 from jaxflash import _ffi
-from jaxflash.bench import flops, peers, progress, time_attention
+from jaxflash.bench import attention_calls, flops, peers, prepare, progress, time_together
 from jaxflash.check import check_against_reference
 
 # (B, T, S, N, K, H, is_causal): a ragged GQA case, a causal case, Sq != Sk.
@@ -74,15 +74,17 @@ def benchmark() -> None:
     shapes, dtype = [(1, 512, 512, 8, 8, 64, c) for c in (False, True)], jnp.float32
   impls = {n: f for n, f in peers(platform).items() if callable(f)}  # no tuning sweeps here
   rows = []
-  for (B, T, S, N, K, H, causal), name in progress(
-      [(s, n) for s in shapes for n in impls], "benchmark"):
-    try:
-      t_fwd, t_bwd = time_attention(impls[name], B, T, S, N, K, H, causal, dtype)
-    except Exception as e:  # a peer that cannot run this shape is reported, not fatal
-      rows.append((name, causal, f"unavailable ({type(e).__name__})", ""))
-      continue
+  for B, T, S, N, K, H, causal in progress(shapes, "benchmark"):
+    calls, failed = prepare({name: functools.partial(attention_calls, attn, B, T, S, N, K, H,
+                                                     causal, dtype)
+                             for name, attn in impls.items()})
+    times = time_together(calls)
     tf = lambda t, d: f"{flops(B, N, T, S, H, causal, d) / t / 1e12:8.3g}"
-    rows.append((name, causal, tf(t_fwd, "fwd"), tf(t_bwd, "bwd")))
+    for name in impls:
+      if name in failed:
+        rows.append((name, causal, f"unavailable ({failed[name].split(':')[0]})", ""))
+      else:
+        rows.append((name, causal, tf(times[name][0], "fwd"), tf(times[name][1], "bwd")))
   print(f"\nbenchmark: {jnp.dtype(dtype).name}, B={shapes[0][0]} T=S={shapes[0][1]} "
         f"N={shapes[0][3]} H={shapes[0][5]}, TFLOP/s (median)")
   print(f"{'impl':10s} {'causal':6s} {'fwd':>8s} {'bwd':>8s}")

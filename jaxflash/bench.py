@@ -18,22 +18,35 @@ def flops(B, N, T, S, H, is_causal, direction="fwd"):
   return f * (2.5 if direction == "bwd" else 1.0)
 
 
-def median_seconds(fn, *args, warmup=3, reps=10, inner=None):
-  """Median wall time of fn(*args) over `reps` batches of `inner` queued calls (warm)."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  if inner is None:  # enough queued calls per batch to hide dispatch and sync (~20 ms)
+def medians_together(calls, warmup=3, reps=10):
+  """{name: median wall time of fn(*args)} of calls {name: (fn, args)}, warm: `reps` rounds,
+  each timing one batch of every call in turn (the order rotated from round to round), so
+  that drifts of the clocks fall on all the calls alike. A batch queues enough calls to hide
+  dispatch and sync (~20 ms)."""
+  if not calls:
+    return {}
+  batches = {}
+  for name, (fn, args) in calls.items():
+    for _ in range(warmup):
+      jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    inner = max(1, min(50, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / inner)
-  return statistics.median(times)
+    batches[name] = max(1, min(50, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+  names, times = list(calls), {name: [] for name in calls}
+  for r in range(reps):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      fn, args = calls[name]
+      t0 = time.perf_counter()
+      for _ in range(batches[name]):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      times[name].append((time.perf_counter() - t0) / batches[name])
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def median_seconds(fn, *args, warmup=3, reps=10):
+  """Median wall time of fn(*args) (medians_together of one call)."""
+  return medians_together({None: (fn, args)}, warmup, reps)[None]
 
 
 # Peers measured the way ANCHORS.md measures them: Mosaic GPU (JAX's Pallas Hopper attention)
@@ -115,16 +128,39 @@ def output_errors(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, against
   return [float(jnp.max(jnp.abs(x - t))) for x, t in zip(compared, against)], got
 
 
-def time_attention(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backward=True):
-  """(fwd seconds, bwd seconds or None) of attn on bench_inputs."""
+def attention_calls(attn, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backward=True):
+  """(forward, backward or None) of attn on bench_inputs, each a (jitted fn, args) pair for
+  medians_together."""
   q, k, v, dout = bench_inputs(B, T, S, N, K, H, dtype)
   fwd = jax.jit(lambda q, k, v: attn(q, k, v, is_causal))
-  t_fwd = median_seconds(fwd, q, k, v)
   if not backward:
-    return t_fwd, None
+    return (fwd, (q, k, v)), None
   _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, is_causal), q, k, v)
-  bwd = jax.jit(lambda vjp, dout: vjp(dout))
-  return t_fwd, median_seconds(bwd, vjp, dout)
+  return (fwd, (q, k, v)), (jax.jit(lambda vjp, dout: vjp(dout)), (vjp, dout))
+
+
+def prepare(builders):
+  """({name: calls}, {name: error}) of builders {name: () -> attention_calls(...)}: each call
+  built and run once; one that fails (a peer that cannot run a shape) leaves its error."""
+  calls, failed = {}, {}
+  for name, build in builders.items():
+    try:
+      calls[name] = build()
+      for call in calls[name]:
+        if call is not None:
+          jax.block_until_ready(call[0](*call[1]))
+    except Exception as e:
+      calls.pop(name, None)
+      failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+  return calls, failed
+
+
+def time_together(calls):
+  """{name: (fwd seconds, bwd seconds or None)} of calls {name: attention_calls(...)}: every
+  forward timed in the same rounds, then every backward."""
+  fwd = medians_together({n: c[0] for n, c in calls.items()})
+  bwd = medians_together({n: c[1] for n, c in calls.items() if c[1] is not None})
+  return {n: (fwd[n], bwd.get(n)) for n in calls}
 
 
 def progress(items, label=""):
