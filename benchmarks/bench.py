@@ -5,8 +5,8 @@ reported), S in {1k, 4k, 16k}, causal and not; TFLOP/s with fwd = 4*B*N*S^2*D (h
 causal) and bwd = 2.5 x fwd. Medians of warm runs, taken in rounds that time every
 implementation of a point in turn (jaxflash.bench.medians_together). Peers: cuDNN (jax.nn), flash-attn3-jax when
 installed, Mosaic GPU (JAX's Pallas Hopper attention: fp16, forward only, as ANCHORS.md) and XLA.
-Only outputs that are right are timed (MAX_OUTPUT_ERROR): a peer whose output or gradients
-are wrong at a point shows '-' there, with the error listed under the table.
+Only outputs that are right are timed (jaxflash.bench.MAX_OUTPUT_ERROR): a peer whose output or
+gradients are wrong at a point shows '-' there, with the error listed under the table.
 
   python benchmarks/bench.py --out /tmp/bench --commit $(git rev-parse --short HEAD)
   python benchmarks/bench.py --plot-only /tmp/bench/results.json   # re-plot elsewhere
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import platform as pyplatform
@@ -24,20 +23,11 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 
-from jaxflash.bench import (FORWARD_ONLY, INPUT_DTYPE, MOSAIC_BLOCK_KV, UNSCALED, attention_calls,
-                            flops, output_errors, peers, prepare, progress, time_together)
+from jaxflash.bench import FORWARD_ONLY, MOSAIC_BLOCK_KV, flops, measure_point, peers, progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 XLA_MAX_S = 4096  # XLA materialises (B, N, S, S) logits; 16k does not fit
-# Timed after the others of a point, on their own: XLA's (B, N, S, S) buffers beside the peers'
-# ran out of memory at 4k (a baseline, not a peer to beat).
-TIMED_ALONE = {"xla"}
-# A timing counts only for outputs (forward: out; backward: dq, dk, dv) within this of the
-# truth (inputs are unit normals, so they are O(1); two correct bf16 kernels differ by ~1e-2):
-# jaxflash's against the float32 reference on two heads, every peer's against jaxflash's.
-MAX_OUTPUT_ERROR = 0.1
 
 
 def environment(commit: str, tokens: int, hidden: int) -> dict:
@@ -62,71 +52,29 @@ def environment(commit: str, tokens: int, hidden: int) -> dict:
 
 
 def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]:
-  every = peers(jax.default_backend())
-  impls = {n: f for n, f in every.items() if n in names}
+  impls = {n: f for n, f in peers(jax.default_backend()).items() if n in names}
   rows = []
   for D, S, causal in progress([(d, s, c) for d in dims for s in seqlens for c in causals],
                                "bench"):
     B, N = max(1, tokens // S), hidden // D
-    point = {n: dict(impl=n, D=D, S=S, causal=causal, B=B, N=N, fwd=None, bwd=None)
-             for n in impls}
-    # checked first, one at a time; then every right one is timed in the same rounds
-    truth, builders, errors = {}, {}, {n: [] for n in impls}  # truth: jaxflash's, per dtype
-    for name, impl in impls.items():
-      if name == "xla" and S > XLA_MAX_S:
-        point[name]["error"] = "skipped: O(S^2) memory"
-        continue
-      dtype = INPUT_DTYPE.get(name, jnp.bfloat16)
-      grads = backward and name not in FORWARD_ONLY
-      # a tuned peer (a dict of configs) reports its fastest forward
-      for config, attn in (impl if isinstance(impl, dict) else {None: impl}).items():
-        label = f"{config}: " if config else ""
-        try:
-          if name != "jaxflash" and dtype not in truth:
-            truth[dtype] = output_errors(every["jaxflash"], B, S, S, N, N, D, causal, dtype,
-                                         backward=backward)[1]
-          checked = attn
-          if name in UNSCALED:
-            checked = lambda q, k, v, c, attn=attn: attn((q * D ** -0.5).astype(q.dtype), k, v, c)
-          errs, got = output_errors(checked, B, S, S, N, N, D, causal, dtype,
-                                    against=truth.get(dtype), backward=grads)
-        except Exception as e:  # a peer that cannot run a shape shows as '-'
-          errors[name].append(f"{label}{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-          continue
-        if name == "jaxflash":  # checked against the reference: the truth for the peers
-          truth[dtype] = got
-        if not errs[0] <= MAX_OUTPUT_ERROR:  # NaN too
-          errors[name].append(f"{label}wrong output, max error {errs[0]:.2g}")
-          continue
-        bwd_ok = all(e <= MAX_OUTPUT_ERROR for e in errs[1:])
-        if not bwd_ok:
-          errors[name].append(f"{label}wrong gradients, max error (dq, dk, dv) " +
-                              ", ".join(f"{e:.2g}" for e in errs[1:]))
-        builders[name, config] = functools.partial(attention_calls, attn, B, S, S, N, N, D,
-                                                   causal, dtype, backward=grads and bwd_ok)
-    times = {}
-    for group in ([k for k in builders if k[0] not in TIMED_ALONE],
-                  [k for k in builders if k[0] in TIMED_ALONE]):
-      calls, failed = prepare({k: builders[k] for k in group})
-      times.update(time_together(calls))
-      del calls  # before the next group's buffers
-      for (name, config), e in failed.items():
-        errors[name].append(f"{f'{config}: ' if config else ''}{e}")
-    for (name, config), (t_fwd, t_bwd) in times.items():
-      row = point[name]
-      if row["fwd"] is None or t_fwd < row["fwd_ms"] / 1e3:
-        row["fwd"] = flops(B, N, S, S, D, causal, "fwd") / t_fwd / 1e12
-        row["bwd"] = flops(B, N, S, S, D, causal, "bwd") / t_bwd / 1e12 if t_bwd else None
-        row["fwd_ms"], row["bwd_ms"] = t_fwd * 1e3, (t_bwd or 0) * 1e3
-        row["config"] = config
-    for name, row in point.items():
-      if "error" in row:
-        pass
-      elif row["fwd"] is None:
-        row["error"] = "; ".join(errors[name])
-      elif backward and name not in FORWARD_ONLY and row["bwd"] is None and errors[name]:
-        row["error"] = "backward not timed: " + "; ".join(errors[name])
+    skipped = {"xla"} if S > XLA_MAX_S else set()
+    got = measure_point({n: f for n, f in impls.items() if n not in skipped}, B, S, S, N, N, D,
+                        causal, backward=backward)
+    for name in impls:
+      row = dict(impl=name, D=D, S=S, causal=causal, B=B, N=N, fwd=None, bwd=None)
       rows.append(row)
+      if name in skipped:
+        row["error"] = "skipped: O(S^2) memory"
+        continue
+      t_fwd, t_bwd, config, errors = got[name]
+      if t_fwd is None:
+        row["error"] = "; ".join(errors)
+        continue
+      row["fwd"] = flops(B, N, S, S, D, causal, "fwd") / t_fwd / 1e12
+      row["bwd"] = flops(B, N, S, S, D, causal, "bwd") / t_bwd / 1e12 if t_bwd else None
+      row["fwd_ms"], row["bwd_ms"], row["config"] = t_fwd * 1e3, (t_bwd or 0) * 1e3, config
+      if backward and name not in FORWARD_ONLY and t_bwd is None:
+        row["error"] = "backward not timed: " + "; ".join(errors)
   return rows
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 import jaxflash
 from jaxflash import _ffi
-from jaxflash.bench import attention_calls, flops, peers, prepare, progress, time_together
+from jaxflash.bench import flops, measure_point, peers, progress
 from jaxflash.check import check_against_reference
 
 # (B, T, S, N, K, H, is_causal): a ragged GQA case, a causal case, Sq != Sk.
@@ -75,21 +75,15 @@ def benchmark() -> None:
   impls = {n: f for n, f in peers(platform).items() if callable(f)}  # no tuning sweeps here
   rows = []
   for B, T, S, N, K, H, causal in progress(shapes, "benchmark"):
-    calls, failed = prepare({name: functools.partial(attention_calls, attn, B, T, S, N, K, H,
-                                                     causal, dtype)
-                             for name, attn in impls.items()})
-    times = time_together(calls)
-    tf = lambda t, d: f"{flops(B, N, T, S, H, causal, d) / t / 1e12:8.3g}"
-    for name in impls:
-      if name in failed:
-        rows.append((name, causal, f"unavailable ({failed[name].split(':')[0]})", ""))
-      else:
-        rows.append((name, causal, tf(times[name][0], "fwd"), tf(times[name][1], "bwd")))
+    got = measure_point(impls, B, T, S, N, K, H, causal, dtype)
+    tf = lambda t, d: "-" if t is None else f"{flops(B, N, T, S, H, causal, d) / t / 1e12:8.3g}"
+    for name, (t_fwd, t_bwd, _, errors) in got.items():
+      rows.append((name, causal, tf(t_fwd, "fwd"), tf(t_bwd, "bwd"), "; ".join(errors)))
   print(f"\nbenchmark: {jnp.dtype(dtype).name}, B={shapes[0][0]} T=S={shapes[0][1]} "
         f"N={shapes[0][3]} H={shapes[0][5]}, TFLOP/s (median)")
   print(f"{'impl':10s} {'causal':6s} {'fwd':>8s} {'bwd':>8s}")
-  for name, causal, f, b in rows:
-    print(f"{name:10s} {str(causal):6s} {f:>8s} {b:>8s}")
+  for name, causal, f, b, why in rows:
+    print(f"{name:10s} {str(causal):6s} {f:>8s} {b:>8s}" + (f"  ('-': {why})" if why else ""))
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -57,6 +58,13 @@ FORWARD_ONLY = {"mosaic"}
 # checked on q * D^-0.5 (timings do not depend on it).
 UNSCALED = {"mosaic"}
 MOSAIC_BLOCK_KV = (256, 128, 64)
+# Timed after the other implementations of a point, on its own: XLA's (B, N, S, S) buffers
+# beside the peers' ran out of memory at 4k (a baseline, not a peer to beat).
+TIMED_ALONE = {"xla"}
+# A timing counts only for outputs (forward: out; backward: dq, dk, dv) within this of the
+# truth (inputs are unit normals, so they are O(1); two correct bf16 kernels differ by ~1e-2):
+# jaxflash's against the float32 reference on two heads, every peer's against jaxflash's.
+MAX_OUTPUT_ERROR = 0.1
 
 
 def _mosaic(block_kv):
@@ -161,6 +169,59 @@ def time_together(calls):
   fwd = medians_together({n: c[0] for n, c in calls.items()})
   bwd = medians_together({n: c[1] for n, c in calls.items() if c[1] is not None})
   return {n: (fwd[n], bwd.get(n)) for n in calls}
+
+
+def measure_point(impls, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backward=True):
+  """{name: (fwd seconds or None, bwd seconds or None, config, errors)} of impls (peers()'s
+  form; "jaxflash" among them or not) at one point. Each output is checked first, one
+  implementation at a time; then every right one is timed in the same rounds
+  (time_together). A tuned peer reports its fastest forward's config; a peer whose output is
+  wrong, or that cannot run the point, has no times and says why in errors."""
+  every = peers(jax.default_backend())
+  truth, builders = {}, {}  # truth: jaxflash's outputs, per input dtype
+  errors = {name: [] for name in impls}
+  for name, impl in impls.items():
+    dt = INPUT_DTYPE.get(name, dtype)
+    grads = backward and name not in FORWARD_ONLY
+    for config, attn in (impl if isinstance(impl, dict) else {None: impl}).items():
+      label = f"{config}: " if config else ""
+      try:
+        if name != "jaxflash" and dt not in truth:
+          truth[dt] = output_errors(every["jaxflash"], B, T, S, N, K, H, is_causal, dt,
+                                    backward=backward)[1]
+        checked = attn
+        if name in UNSCALED:
+          checked = lambda q, k, v, c, attn=attn: attn((q * H ** -0.5).astype(q.dtype), k, v, c)
+        errs, got = output_errors(checked, B, T, S, N, K, H, is_causal, dt,
+                                  against=truth.get(dt), backward=grads)
+      except Exception as e:  # a peer that cannot run a shape
+        errors[name].append(f"{label}{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        continue
+      if name == "jaxflash":  # checked against the reference: the truth for the peers
+        truth[dt] = got
+      if not errs[0] <= MAX_OUTPUT_ERROR:  # NaN too
+        errors[name].append(f"{label}wrong output, max error {errs[0]:.2g}")
+        continue
+      bwd_ok = all(e <= MAX_OUTPUT_ERROR for e in errs[1:])
+      if not bwd_ok:
+        errors[name].append(f"{label}wrong gradients, max error (dq, dk, dv) " +
+                            ", ".join(f"{e:.2g}" for e in errs[1:]))
+      builders[name, config] = functools.partial(attention_calls, attn, B, T, S, N, K, H,
+                                                 is_causal, dt, backward=grads and bwd_ok)
+  del truth
+  times = {}
+  for group in ([key for key in builders if key[0] not in TIMED_ALONE],
+                [key for key in builders if key[0] in TIMED_ALONE]):
+    calls, failed = prepare({key: builders[key] for key in group})
+    times.update(time_together(calls))
+    del calls  # before the next group's buffers
+    for (name, config), e in failed.items():
+      errors[name].append(f"{f'{config}: ' if config else ''}{e}")
+  out = {name: (None, None, None, errors[name]) for name in impls}
+  for (name, config), (t_fwd, t_bwd) in times.items():
+    if out[name][0] is None or t_fwd < out[name][0]:
+      out[name] = (t_fwd, t_bwd, config, errors[name])
+  return out
 
 
 def progress(items, label=""):
