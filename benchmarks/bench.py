@@ -113,16 +113,17 @@ def plot(rows, path) -> bool:
     print("re-plot elsewhere with --plot-only results.json")
     return False
   dims = sorted({r["D"] for r in rows})
+  colors = {n: f"C{i}" for i, n in enumerate(dict.fromkeys(r["impl"] for r in rows))}  # one per impl
   fig, axes = plt.subplots(len(dims), 2, figsize=(11, 4 * len(dims)), squeeze=False)
   for i, D in enumerate(dims):
     for j, direction in enumerate(("fwd", "bwd")):
       ax = axes[i][j]
-      for name in dict.fromkeys(r["impl"] for r in rows):
+      for name, color in colors.items():
         for causal, style in ((False, "-"), (True, "--")):
           pts = sorted((r["S"], r[direction]) for r in rows if r["impl"] == name and
                        r["D"] == D and r["causal"] == causal and r[direction] is not None)
           if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=color,
                     label=f"{name}{' causal' if causal else ''}")
       ax.set_xscale("log", base=2)
       ax.set_title(f"D={D} {direction}")
