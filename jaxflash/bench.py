@@ -159,8 +159,13 @@ def prepare(builders):
           jax.block_until_ready(call[0](*call[1]))
     except Exception as e:
       calls.pop(name, None)
-      failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+      failed[name] = _why(e)
   return calls, failed
+
+
+def _why(e: Exception) -> str:
+  """An exception's type and the first line of its message, for a table's notes."""
+  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
 
 
 def time_together(calls):
@@ -176,7 +181,8 @@ def measure_point(impls, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backwa
   form; "jaxflash" among them or not) at one point. Each output is checked first, one
   implementation at a time; then every right one is timed in the same rounds
   (time_together). A tuned peer reports its fastest forward's config; a peer whose output is
-  wrong, or that cannot run the point, has no times and says why in errors."""
+  wrong, or that cannot run the point, has no times, one whose gradients are wrong no
+  backward time, and errors says why."""
   every = peers(jax.default_backend())
   truth, builders = {}, {}  # truth: jaxflash's outputs, per input dtype
   errors = {name: [] for name in impls}
@@ -195,7 +201,7 @@ def measure_point(impls, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backwa
         errs, got = output_errors(checked, B, T, S, N, K, H, is_causal, dt,
                                   against=truth.get(dt), backward=grads)
       except Exception as e:  # a peer that cannot run a shape
-        errors[name].append(f"{label}{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        errors[name].append(label + _why(e))
         continue
       if name == "jaxflash":  # checked against the reference: the truth for the peers
         truth[dt] = got
