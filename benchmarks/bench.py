@@ -3,8 +3,9 @@
 Shapes follow ANCHORS.md: bf16, B = tokens / S, N = hidden / D, D in {64, 128} (and 256
 reported), S in {1k, 4k, 16k}, causal and not; TFLOP/s with fwd = 4*B*N*S^2*D (halved when
 causal) and bwd = 2.5 x fwd. Medians of warm runs, taken in rounds that time every
-implementation of a point in turn (jaxflash.bench.medians_together). Peers: cuDNN (jax.nn), flash-attn3-jax when
-installed, Mosaic GPU (JAX's Pallas Hopper attention: fp16, forward only, as ANCHORS.md) and XLA.
+implementation of a point in turn (jaxflash.bench.medians_together). Peers: cuDNN (jax.nn),
+flash-attn3-jax when installed, Mosaic GPU (JAX's Pallas Hopper attention: fp16, forward only,
+as ANCHORS.md) and XLA.
 Only outputs that are right are timed (jaxflash.bench.MAX_OUTPUT_ERROR): a peer whose output or
 gradients are wrong at a point shows '-' there, with the error listed under the table.
 

@@ -75,10 +75,14 @@ def _mosaic(block_kv):
   return attn
 
 
+def _jaxflash(q, k, v, c):
+  return jaxflash.attention(q, k, v, is_causal=c)
+
+
 def peers(platform):
   """name -> attention(q, k, v, is_causal) for every implementation that loads here; a
   tuned peer maps to {config: attention}, of which a benchmark reports the fastest."""
-  impls = {"jaxflash": lambda q, k, v, c: jaxflash.attention(q, k, v, is_causal=c)}
+  impls = {"jaxflash": _jaxflash}
   if platform == "gpu":
     impls["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(
         q, k, v, is_causal=c, implementation="cudnn")
@@ -183,7 +187,6 @@ def measure_point(impls, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backwa
   (time_together). A tuned peer reports its fastest forward's config; a peer whose output is
   wrong, or that cannot run the point, has no times, one whose gradients are wrong no
   backward time, and errors says why."""
-  every = peers(jax.default_backend())
   truth, builders = {}, {}  # truth: jaxflash's outputs, per input dtype
   errors = {name: [] for name in impls}
   for name, impl in impls.items():
@@ -193,7 +196,7 @@ def measure_point(impls, B, T, S, N, K, H, is_causal, dtype=jnp.bfloat16, backwa
       label = f"{config}: " if config else ""
       try:
         if name != "jaxflash" and dt not in truth:
-          truth[dt] = output_errors(every["jaxflash"], B, T, S, N, K, H, is_causal, dt,
+          truth[dt] = output_errors(_jaxflash, B, T, S, N, K, H, is_causal, dt,
                                     backward=backward)[1]
         checked = attn
         if name in UNSCALED:
