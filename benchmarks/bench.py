@@ -25,7 +25,8 @@ import sys
 
 import jax
 
-from jaxflash.bench import FORWARD_ONLY, MOSAIC_BLOCK_KV, flops, measure_point, peers, progress
+from jaxflash.bench import (FORWARD_ONLY, MOSAIC_BLOCK_KV, OPTIONS, flops, measure_point, peers,
+                            progress)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 XLA_MAX_S = 4096  # XLA materialises (B, N, S, S) logits; 16k does not fit
@@ -53,7 +54,7 @@ def environment(commit: str, tokens: int, hidden: int) -> dict:
 
 
 def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]:
-  impls = {n: f for n, f in peers(jax.default_backend()).items() if n in names}
+  impls = {n: f for n, f in {**peers(jax.default_backend()), **OPTIONS}.items() if n in names}
   rows = []
   for D, S, causal in progress([(d, s, c) for d in dims for s in seqlens for c in causals],
                                "bench"):

@@ -7,6 +7,7 @@ only at head dims the CUDA backward lacks).
   compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --segments
   compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --rules
   compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --many-tiles
+  compute-sanitizer --tool memcheck python benchmarks/profile_kernels.py --many-tiles --deterministic
 """
 
 import argparse
@@ -43,6 +44,7 @@ p.add_argument("--jump", action="store_true",
                help="keys below 64 scaled 40x and below 320 3x, so that row maxima jump as the "
                     "key tiles are visited: the D=128 forward's lazy max rescales and recomputes "
                     "S (sanitizers, with --many-tiles --kv 700)")
+p.add_argument("--deterministic", action="store_true", help="deterministic_backward=True")
 p.add_argument("--reps", type=int, default=2)
 a = p.parse_args()
 B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small
@@ -69,7 +71,7 @@ v = jax.random.normal(keys[2], (B, S, K, Dv), jnp.bfloat16)
 dout = jax.random.normal(keys[3], (B, T, N, Dv), jnp.bfloat16)
 has_bwd = _calls.cuda_bwd_head_dims_error(D, Dv) is None
 attn = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=a.causal, implementation="cuda",
-                                          **ids)
+                                          deterministic_backward=a.deterministic, **ids)
 fwd = jax.jit(attn)
 bwd = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))
 for _ in range(a.reps):

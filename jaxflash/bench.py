@@ -79,6 +79,11 @@ def _jaxflash(q, k, v, c):
   return jaxflash.attention(q, k, v, is_causal=c)
 
 
+# Rows benchmarks/bench.py adds when --peers names them: jaxflash's deterministic backward.
+OPTIONS = {"jaxflash_det": lambda q, k, v, c: jaxflash.attention(
+    q, k, v, is_causal=c, deterministic_backward=True)}
+
+
 def peers(platform):
   """name -> attention(q, k, v, is_causal) for every implementation that loads here; a
   tuned peer maps to {config: attention}, of which a benchmark reports the fastest."""

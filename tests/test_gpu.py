@@ -1,8 +1,11 @@
 """GPU-only checks: 64-bit offsets (a tensor of more than 2**31 elements), platform choice,
 head dims the forward runs and the backward does not."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxflash
@@ -72,6 +75,26 @@ def test_persistent_causal_forward():
   assert_accurate("lse", lse, ref_lse, lo_lse, jnp.bfloat16)
 
 
+def _grads_against_reference(shape, is_causal, deterministic=False, seeds=(0, 1)):
+  """dq, dk, dv of implementation='cuda' for each seed's inputs, checked against the reference;
+  returns the last seed's, and a function that computes them again."""
+  B, T, S, N, K, H = shape
+  grads = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(jaxflash.attention(
+      q, k, v, is_causal=is_causal, implementation="cuda",
+      deterministic_backward=deterministic).astype(jnp.float32) * do), (0, 1, 2)))
+  ref = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(jaxflash.attention_reference(
+      q, k, v, is_causal=is_causal)[0].astype(jnp.float32) * do), (0, 1, 2)))
+  f32 = lambda x: x.astype(jnp.float32)
+  for seed in seeds:
+    q = _rand(20 + seed, (B, T, N, H))
+    k, v = _rand(30 + seed, (B, S, K, H)), _rand(40 + seed, (B, S, K, H))
+    do = jax.random.normal(jax.random.PRNGKey(50 + seed), (B, T, N, H), jnp.float32)
+    got, hi, lo = grads(q, k, v, do), ref(f32(q), f32(k), f32(v), do), ref(q, k, v, do)
+    for name, g, r, l in zip(("dq", "dk", "dv"), got, hi, lo):
+      assert_accurate(name, g, r, l, jnp.bfloat16)
+  return got, functools.partial(grads, q, k, v, do)
+
+
 # Causal backwards whose dq_accum is not zeroed (sm90, up to 2048 keys): each query tile's first
 # dQ is stored by the CTA that claims its ticket and the others add after it. Keys past the
 # queries (no CTA owns the query tiles past S, every visitor may claim), GQA, ragged tiles;
@@ -80,19 +103,24 @@ def test_persistent_causal_forward():
                                    (3, 1000, 1000, 4, 4, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_causal_grads_without_zeroed_dq_accum(shape):
-  B, T, S, N, K, H = shape
-  grads = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(jaxflash.attention(
-      q, k, v, is_causal=True, implementation="cuda").astype(jnp.float32) * do), (0, 1, 2)))
-  ref = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(jaxflash.attention_reference(
-      q, k, v, is_causal=True)[0].astype(jnp.float32) * do), (0, 1, 2)))
-  f32 = lambda x: x.astype(jnp.float32)
-  for seed in (0, 1):
-    q = _rand(20 + seed, (B, T, N, H))
-    k, v = _rand(30 + seed, (B, S, K, H)), _rand(40 + seed, (B, S, K, H))
-    do = jax.random.normal(jax.random.PRNGKey(50 + seed), (B, T, N, H), jnp.float32)
-    got, hi, lo = grads(q, k, v, do), ref(f32(q), f32(k), f32(v), do), ref(q, k, v, do)
-    for name, g, r, l in zip(("dq", "dk", "dv"), got, hi, lo):
-      assert_accurate(name, g, r, l, jnp.bfloat16)
+  _grads_against_reference(shape, is_causal=True)
+
+
+# deterministic_backward=True on plain and causal attention (sm90: the key tiles that visit a
+# query tile add its dQ one after the other, last to first).
+# Many key tiles and heads (atomics would race), GQA, more keys than queries and the reverse,
+# ragged tiles: the gradients are accurate and the same bits on every run.
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 900, 1300, 8, 2, 64), (2, 1300, 900, 8, 2, 128),
+                                   (1, 1000, 1000, 4, 4, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_deterministic_backward_plain_and_causal(shape, is_causal):
+  if shape[-1] not in _ffi.cuda_bwd_head_dims():
+    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
+  first, again = _grads_against_reference(shape, is_causal, deterministic=True, seeds=(0,))
+  for _ in range(3):
+    for name, a, b in zip(("dq", "dk", "dv"), first, again()):
+      assert (np.asarray(a).view(np.uint16) == np.asarray(b).view(np.uint16)).all(), name
 
 
 # (H, Hv) pairs the CUDA forward runs without a CUDA backward: a value head dim below H other

@@ -29,7 +29,9 @@
 // Variants: a second instantiation, kRules, runs the key-range rules (lengths, window, causal
 // alignment; rules.cuh) and segment ids (BwdSegShared): a CTA visits only the query tiles that
 // may see its keys, and warps test elements only where their 16 keys are not seen whole by
-// the step's queries.
+// the step's queries. deterministic_backward (plain and causal attention, not the rules
+// kernel; select.h): the CTAs that visit a query tile add their dQ to it one after the
+// other, in a fixed order (the dQ writer).
 // Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is
 // cols / 64 column blocks of (rows, 64), each row 128 bytes with chunk c at c ^ (row % 8).
 #pragma once
@@ -192,9 +194,13 @@ __global__ void __launch_bounds__(384, 1)
   // pair), key tile slowest: the pairs' CTAs read the same Q, dO tiles close together in time
   // (L2), and under causal masking the longest ones start first across the section
   // (run_bwd_sm90). sec_pairs = 1: each pair's key tiles one after the other.
+  // Deterministic (not the rules kernel, select.h): each pair's key tiles start last to first,
+  // the order in which they add to a query tile's dQ (the dQ writer below).
+  const bool det = !kRules && p.deterministic;
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
   const int2 st = section_tile(blockIdx.x, sec_pairs, static_cast<unsigned>(p.b * p.kh), key_tiles);
-  const int n0 = st.x * kBlockN;
+  const int key_tile = det ? key_tiles - 1 - st.x : st.x;
+  const int n0 = key_tile * kBlockN;
   const int64_t bkh = st.y;
   const int64_t kvh = bkh % p.kh, b = bkh / p.kh;
   const int group = static_cast<int>(p.n / p.kh);
@@ -360,6 +366,17 @@ __global__ void __launch_bounds__(384, 1)
           // the time it gets there (a causal head's CTAs reach a tile steps apart). A CTA only
           // ever waits for one that claimed, so for one that is running. All before the wait
           // for sdQ, whose latency hides it.
+          // Deterministic: the key tiles that visit the query tile add in turn, last to first
+          // (each pair's CTAs start in that order, so a CTA only waits for one that started
+          // before it), each once the one before has completed its adds; p.dq_turn counts them.
+          // Under causal masking the tile's last visitor is the key tile of its last row.
+          int* turn = nullptr;
+          if (det) {
+            turn = p.dq_turn + (b * p.n + n) * m_tiles + m0 / kBlockM;
+            const int last = kCausal ? min(key_tiles - 1, (m0 + kBlockM - 1) / kBlockN) : key_tiles - 1;
+            while (bwd::ld_acquire(turn) != last - key_tile) __nanosleep(32);
+            fence_proxy_async_global();  // the adds after the acquired ones, across the proxies
+          }
           constexpr int kDone = bwd::kDqTicketDone;
           int* ticket = p.dq_ticket + (b * p.n + n) * m_tiles + m0 / kBlockM;
           bool first = false;
@@ -390,10 +407,13 @@ __global__ void __launch_bounds__(384, 1)
             bulk_wait_read();
             mbar_arrive(bar_dq_empty);
           }
-          if (first) {  // the stored tile, once its copy is complete
+          if (first || det) {  // the stored (added) tile, once its copy is complete
             bulk_wait_all();
             fence_proxy_async_global();
-            red_or_release(ticket, kDone);
+            if (det)
+              red_add_release(turn, 1);
+            else
+              red_or_release(ticket, kDone);
           }
         }
       }
@@ -828,9 +848,9 @@ inline int bwd_section_pairs(const BwdParams& p, int64_t key_tiles, bool causal)
 
 // The sm90 backward on `stream`: preprocess, the main kernel above, convert; false (nothing
 // launched) when the TMA descriptors cannot be built. Preconditions (select.h use_bwd_sm90):
-// a cc 9.x device, no variant but the key-range rules (rules.cuh), not deterministic,
-// H == Hv == kHeadDim, T, S > 0. The rules kernel covers causal too, so each file compiles
-// it once.
+// a cc 9.x device, no variant but the key-range rules (rules.cuh), deterministic only without
+// them, H == Hv == kHeadDim, T, S > 0. The rules kernel covers causal too, so each file
+// compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::BwdCfgSm90<T, kHeadDim>;
@@ -851,8 +871,9 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // contribution (+4-9% at 1k). The waits for a tile's store cost ~2% at 4k-16k, where the
   // zeros cost under 1% (NOTES.md, eighteenth session).
   BwdParams q = p;
-  q.dq_first_store = kCausal && !live_variant(p) && p.dq_ticket && p.s <= 2048;
+  q.dq_first_store = kCausal && !live_variant(p) && !p.deterministic && p.dq_ticket && p.s <= 2048;
   bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
+  if (p.deterministic) cudaMemsetAsync(p.dq_turn, 0, bwd_workspace(p).dq_turn * sizeof(int), stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
   // H = 256 has no rules kernel (select.h sends its variants to sm80).

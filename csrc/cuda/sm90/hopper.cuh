@@ -146,6 +146,10 @@ __device__ __forceinline__ void red_or_release(int* ptr, int v) {
   asm volatile("red.release.gpu.global.or.b32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void red_add_release(int* ptr, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
