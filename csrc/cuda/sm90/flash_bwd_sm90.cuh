@@ -370,15 +370,16 @@ __global__ void __launch_bounds__(384, 1)
           // (each pair's CTAs start in that order, so a CTA only waits for one that started
           // before it), each once the one before has completed its adds; p.dq_turn counts them.
           // Under causal masking the tile's last visitor is the key tile of its last row.
+          const int64_t tile = (b * p.n + n) * m_tiles + m0 / kBlockM;  // its turn and ticket
           int* turn = nullptr;
           if (det) {
-            turn = p.dq_turn + (b * p.n + n) * m_tiles + m0 / kBlockM;
+            turn = p.dq_turn + tile;
             const int last = kCausal ? min(key_tiles - 1, (m0 + kBlockM - 1) / kBlockN) : key_tiles - 1;
             while (bwd::ld_acquire(turn) != last - key_tile) __nanosleep(32);
             fence_proxy_async_global();  // the adds after the acquired ones, across the proxies
           }
           constexpr int kDone = bwd::kDqTicketDone;
-          int* ticket = p.dq_ticket + (b * p.n + n) * m_tiles + m0 / kBlockM;
+          int* ticket = p.dq_ticket + tile;
           bool first = false;
           if constexpr (kFirstStore) {
             int state = m0 < n0 + kBlockN ? 0 : bwd::ld_acquire(ticket);
