@@ -19,6 +19,7 @@ output) times, the speed-up over jaxflash `full`, and effective TFLOP/s counted 
            jaxflash.reference.visibility, the specification;
 forward+backward counts 3.5x the forward (bwd = 2.5x fwd, as benchmarks/bench.py).
 
+With --deterministic a row jaxflash_det times deterministic_backward=True beside it.
 cuDNN runs through jax.nn.dot_product_attention(implementation="cudnn") on the cases it
 takes; jax.nn has no segment ids, and a case cuDNN rejects (a symmetric window without
 is_causal) shows its reason. The jaxflash backward is the pinned kernel
@@ -95,10 +96,13 @@ def visible_pairs(case: Case, B, T, S, N) -> int:
   return int(count(ops)) * (N // heads)
 
 
-def implementations(platform, impl):
+def implementations(platform, impl, deterministic=False):
   """name -> (attention(q, k, v, **kw), the keyword names it takes or None for all)."""
   out = {"jaxflash": (lambda q, k, v, **kw: jaxflash.attention(q, k, v, implementation=impl,
                                                                **kw), None)}
+  if deterministic:
+    out["jaxflash_det"] = (lambda q, k, v, **kw: jaxflash.attention(
+        q, k, v, implementation=impl, deterministic_backward=True, **kw), None)
   if platform == "gpu":
     params = set(inspect.signature(jax.nn.dot_product_attention).parameters)
     out["cudnn"] = (lambda q, k, v, **kw: jax.nn.dot_product_attention(
@@ -136,7 +140,7 @@ def run(args, impl) -> list[dict]:
   q, k, v = (jax.random.normal(key, (B, S, N, H), jnp.float32).astype(jnp.bfloat16)
              for key in ks)
   all_cases = cases(B, S, args.window, args.docs, args.mask_block, args.density)
-  impls = implementations(jax.default_backend(), impl)
+  impls = implementations(jax.default_backend(), impl, args.deterministic)
   rows = []
   for case, name in progress([(c, n) for c in all_cases for n in impls], "masked"):
     attn, takes = impls[name]
@@ -255,6 +259,8 @@ def main(argv=None):
   p.add_argument("--density", type=float, default=0.125, help="block-sparse: True block share")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--deterministic", action="store_true",
+                 help="also time jaxflash with deterministic_backward=True (row jaxflash_det)")
   p.add_argument("--quick", action="store_true",
                  help="a tiny shape (S=1024, N=2, W=64, mask blocks of 128) for a CPU smoke test")
   p.add_argument("--implementation", choices=["cuda", "cpu"],

@@ -75,15 +75,16 @@ def test_persistent_causal_forward():
   assert_accurate("lse", lse, ref_lse, lo_lse, jnp.bfloat16)
 
 
-def _grads_against_reference(shape, is_causal, deterministic=False, seeds=(0, 1)):
+def _grads_against_reference(shape, is_causal, deterministic=False, seeds=(0, 1), **rules):
   """dq, dk, dv of implementation='cuda' for each seed's inputs, checked against the reference;
-  returns the last seed's, and a function that computes them again."""
+  returns the last seed's, and a function that computes them again. `rules`: more arguments
+  of both (lengths, window, alignment, segment ids)."""
   B, T, S, N, K, H = shape
   grads = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(jaxflash.attention(
-      q, k, v, is_causal=is_causal, implementation="cuda",
-      deterministic_backward=deterministic).astype(jnp.float32) * do), (0, 1, 2)))
+      q, k, v, is_causal=is_causal, implementation="cuda", deterministic_backward=deterministic,
+      **rules).astype(jnp.float32) * do), (0, 1, 2)))
   ref = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(jaxflash.attention_reference(
-      q, k, v, is_causal=is_causal)[0].astype(jnp.float32) * do), (0, 1, 2)))
+      q, k, v, is_causal=is_causal, **rules)[0].astype(jnp.float32) * do), (0, 1, 2)))
   f32 = lambda x: x.astype(jnp.float32)
   for seed in seeds:
     q = _rand(20 + seed, (B, T, N, H))
@@ -117,10 +118,55 @@ def test_causal_grads_without_zeroed_dq_accum(shape):
 def test_deterministic_backward_plain_and_causal(shape, is_causal):
   if shape[-1] not in _ffi.cuda_bwd_head_dims():
     pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
-  first, again = _grads_against_reference(shape, is_causal, deterministic=True, seeds=(0,))
+  _assert_same_bits(*_grads_against_reference(shape, is_causal, deterministic=True, seeds=(0,)))
+
+
+def _assert_same_bits(first, again):
   for _ in range(3):
     for name, a, b in zip(("dq", "dk", "dv"), first, again()):
       assert (np.asarray(a).view(np.uint16) == np.asarray(b).view(np.uint16)).all(), name
+
+
+def _packed_ids(seed, batch, length, docs, shuffle=False):
+  """(batch, length) ids of `docs` documents of random lengths, in order or (shuffle) each
+  document's id drawn from a permutation, so that the ids are not sorted."""
+  ids = jnp.sort(jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 0, docs), -1)
+  if shuffle:
+    ids = jax.random.permutation(jax.random.PRNGKey(seed + 1), docs)[ids]
+  return ids.astype(jnp.int32)
+
+
+# deterministic_backward=True with the key-range rules and segment ids (sm90: the rules kernel;
+# a query tile's visitors are the key tiles its rows may see, and with segment ids only those
+# whose ids meet its own count in its order). Packed documents a few key tiles long (most key
+# tiles meet only some query tiles), unsorted ids, lengths, window, bottom-right alignment,
+# GQA, T != S, ragged tiles.
+B_RULES, T_RULES, S_RULES = 2, 1300, 1700
+DETERMINISTIC_RULES = {
+    "segments_causal": lambda: dict(
+        is_causal=True, query_segment_ids=_packed_ids(1, B_RULES, T_RULES, 9),
+        key_value_segment_ids=_packed_ids(1, B_RULES, S_RULES, 9)),
+    "segments_unsorted_lengths": lambda: dict(
+        is_causal=False, query_segment_ids=_packed_ids(3, B_RULES, T_RULES, 7, shuffle=True),
+        key_value_segment_ids=_packed_ids(3, B_RULES, S_RULES, 7, shuffle=True),
+        query_seq_lengths=jnp.array([1100, 1300], jnp.int32),
+        key_value_seq_lengths=jnp.array([1700, 950], jnp.int32)),
+    "window_bottom_right_lengths": lambda: dict(
+        is_causal=True, causal_alignment="bottom_right", local_window_size=(333, 0),
+        query_seq_lengths=jnp.array([1300, 777], jnp.int32),
+        key_value_seq_lengths=jnp.array([1500, 1700], jnp.int32)),
+}
+
+
+@pytest.mark.parametrize("H", [64, 128])
+@pytest.mark.parametrize("case", list(DETERMINISTIC_RULES))
+def test_deterministic_backward_rules(case, H):
+  if H not in _ffi.cuda_bwd_head_dims():
+    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
+  rules = DETERMINISTIC_RULES[case]()
+  is_causal = rules.pop("is_causal")
+  _assert_same_bits(*_grads_against_reference((B_RULES, T_RULES, S_RULES, 8, 2, H), is_causal,
+                                              deterministic=True, seeds=(0,), **rules))
 
 
 # (H, Hv) pairs the CUDA forward runs without a CUDA backward: a value head dim below H other

@@ -1256,6 +1256,14 @@ static __global__ void __launch_bounds__(256) reduce_dalibi_kernel(const BwdPara
   p.dalibi[bn] = x;
 }
 
+// kv_seg_range for the deterministic dQ ranks (bwd_workspace: with segment ids only).
+template <int N>
+void launch_key_tile_seg(const BwdParams& p, int64_t key_tiles, cudaStream_t stream) {
+  if (p.b * key_tiles > 0)
+    key_tile_seg_kernel<N><<<static_cast<unsigned>((p.b * key_tiles + 7) / 8), 256, 0, stream>>>(
+        p, static_cast<int>(key_tiles));
+}
+
 template <typename Kernel>
 void launch_main(Kernel kernel, const BwdParams& p, int64_t ctas, int threads, int smem,
                  cudaStream_t stream) {
@@ -1301,9 +1309,7 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     if (w.dbias_accum) cudaMemsetAsync(p.dbias_accum, 0, w.dbias_accum * sizeof(float), stream);
     if (w.dalibi_accum) cudaMemsetAsync(p.dalibi_accum, 0, w.dalibi_accum * sizeof(float), stream);
     if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
-    if (w.kv_seg_range)
-      bwd::key_tile_seg_kernel<Cfg::kBlockN><<<static_cast<unsigned>((p.b * key_tiles + 7) / 8),
-                                               256, 0, stream>>>(p, static_cast<int>(key_tiles));
+    if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
   }
   // Deterministic with a broadcast bias: dbias_kernel computes dbias, the main kernel not.
   const bool dbias_tiles = p.bias && p.deterministic && !dbias_direct(p);

@@ -29,9 +29,8 @@
 // Variants: a second instantiation, kRules, runs the key-range rules (lengths, window, causal
 // alignment; rules.cuh) and segment ids (BwdSegShared): a CTA visits only the query tiles that
 // may see its keys, and warps test elements only where their 16 keys are not seen whole by
-// the step's queries. deterministic_backward (plain and causal attention, not the rules
-// kernel; select.h): the CTAs that visit a query tile add their dQ to it one after the
-// other, in a fixed order (the dQ writer).
+// the step's queries. deterministic_backward (every kernel): the CTAs that visit a query
+// tile add their dQ to it one after the other, in a fixed order (the dQ writer).
 // Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is
 // cols / 64 column blocks of (rows, 64), each row 128 bytes with chunk c at c ^ (row % 8).
 #pragma once
@@ -194,9 +193,9 @@ __global__ void __launch_bounds__(384, 1)
   // pair), key tile slowest: the pairs' CTAs read the same Q, dO tiles close together in time
   // (L2), and under causal masking the longest ones start first across the section
   // (run_bwd_sm90). sec_pairs = 1: each pair's key tiles one after the other.
-  // Deterministic (not the rules kernel, select.h): each pair's key tiles start last to first,
-  // the order in which they add to a query tile's dQ (the dQ writer below).
-  const bool det = !kRules && p.deterministic;
+  // Deterministic: each pair's key tiles start last to first, the order in which they add to
+  // a query tile's dQ (the dQ writer below).
+  const bool det = p.deterministic;
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
   const int2 st = section_tile(blockIdx.x, sec_pairs, static_cast<unsigned>(p.b * p.kh), key_tiles);
   const int key_tile = det ? key_tiles - 1 - st.x : st.x;
@@ -352,70 +351,94 @@ __global__ void __launch_bounds__(384, 1)
       // dq_accum[b, m0 .., n, :] += sdQ by TMA (rows past T skipped); sdQ is released once
       // read, the adds complete in the L2 on their own (the CTA need not wait for them: the
       // last wait above is the read of its last tile, before its shared memory goes).
-      if (lane == 0) {
-        tma_prefetch_desc(&tma_dq);
+      // Deterministic: the key tiles that visit a query tile add in turn, last to first (each
+      // pair's CTAs start in that order, so a CTA only waits for one that started before it),
+      // each once the one before has completed its adds; p.dq_turn counts them. A tile's rank
+      // is the number of its query tile's visitors after it: under causal masking the last
+      // visitor is the key tile of the tile's last row, under the rules that of the last key
+      // its rows may see; with segment ids only the visitors whose ids the tile's meet count
+      // (the live candidates above, from every key tile's id range in p.kv_seg_range), which
+      // lane 0 cannot count alone: the rules kernel's writer runs on the whole warp.
+      auto dq_rank = [&](int m0) {
+        if constexpr (kRules) {
+          const int last = (rules.key_range(m0, kBlockM).y - 1) / kBlockN;
+          if (!seg) return last - key_tile;
+          const int2 q_ids_range = q_tile_ids(m0);
+          const int* kv_range = p.kv_seg_range + 2 * b * key_tiles;
+          int live = 0;
+          for (int k = key_tile + 1 + lane; k <= last; k += 32)
+            live += bwd::seg_meet(q_ids_range, make_int2(kv_range[2 * k], kv_range[2 * k + 1])) ||
+                    m0 / kBlockM - rules.query_range(k * kBlockN, kBlockN).x / kBlockM >=
+                        Seg::kLiveTiles;
+          return __reduce_add_sync(0xffffffffu, live);
+        } else {
+          const int last = kCausal ? min(key_tiles - 1, (m0 + kBlockM - 1) / kBlockN) : key_tiles - 1;
+          return last - key_tile;
+        }
+      };
+      if (kRules || lane == 0) {
+        if (lane == 0) tma_prefetch_desc(&tma_dq);
         StepWalk<Seg> walk;
         const int m_tiles = (t_len + kBlockM - 1) / kBlockM;
         for (int it = 0; it < n_steps; ++it) {
           walk.next(seg, n_cand);
           const int n = static_cast<int>(step_head(walk)), m0 = step_m0(walk);
-          // kFirstStore (causal, run_bwd_sm90): dq_accum is not zeroed; a query tile's first
-          // contribution is stored, the others added once its ticket says kDone. The first is
-          // the CTA that claims the ticket (0 -> 1): the tile's own CTA (whose keys start at its
-          // rows, at its first steps) claims at once, any other only if the tile is not done by
-          // the time it gets there (a causal head's CTAs reach a tile steps apart). A CTA only
-          // ever waits for one that claimed, so for one that is running. All before the wait
-          // for sdQ, whose latency hides it.
-          // Deterministic: the key tiles that visit the query tile add in turn, last to first
-          // (each pair's CTAs start in that order, so a CTA only waits for one that started
-          // before it), each once the one before has completed its adds; p.dq_turn counts them.
-          // Under causal masking the tile's last visitor is the key tile of its last row.
-          const int64_t tile = (b * p.n + n) * m_tiles + m0 / kBlockM;  // its turn and ticket
-          int* turn = nullptr;
-          if (det) {
-            turn = p.dq_turn + tile;
-            const int last = kCausal ? min(key_tiles - 1, (m0 + kBlockM - 1) / kBlockN) : key_tiles - 1;
-            while (bwd::ld_acquire(turn) != last - key_tile) __nanosleep(32);
-            fence_proxy_async_global();  // the adds after the acquired ones, across the proxies
-          }
-          constexpr int kDone = bwd::kDqTicketDone;
-          int* ticket = p.dq_ticket + tile;
-          bool first = false;
-          if constexpr (kFirstStore) {
-            int state = m0 < n0 + kBlockN ? 0 : bwd::ld_acquire(ticket);
-            if (!(state & kDone)) {
-              first = atomicCAS(ticket, 0, 1) == 0;
-              while (!first && !(state & kDone)) state = bwd::ld_acquire(ticket);
+          const int rank = det ? dq_rank(m0) : 0;
+          if (lane == 0) {
+            // kFirstStore (causal, run_bwd_sm90): dq_accum is not zeroed; a query tile's first
+            // contribution is stored, the others added once its ticket says kDone. The first
+            // is the CTA that claims the ticket (0 -> 1): the tile's own CTA (whose keys start
+            // at its rows, at its first steps) claims at once, any other only if the tile is
+            // not done by the time it gets there (a causal head's CTAs reach a tile steps
+            // apart). A CTA only ever waits for one that claimed, so for one that is running.
+            // All before the wait for sdQ, whose latency hides it.
+            const int64_t tile = (b * p.n + n) * m_tiles + m0 / kBlockM;  // its turn and ticket
+            int* turn = nullptr;
+            if (det) {
+              turn = p.dq_turn + tile;
+              while (bwd::ld_acquire(turn) != rank) __nanosleep(32);
+              fence_proxy_async_global();  // the adds after the acquired ones, across the proxies
             }
-            // the adds after the store, across the proxies
-            if (!first) fence_proxy_async_global();
-          }
+            constexpr int kDone = bwd::kDqTicketDone;
+            int* ticket = p.dq_ticket + tile;
+            bool first = false;
+            if constexpr (kFirstStore) {
+              int state = m0 < n0 + kBlockN ? 0 : bwd::ld_acquire(ticket);
+              if (!(state & kDone)) {
+                first = atomicCAS(ticket, 0, 1) == 0;
+                while (!first && !(state & kDone)) state = bwd::ld_acquire(ticket);
+              }
+              // the adds after the store, across the proxies
+              if (!first) fence_proxy_async_global();
+            }
 #pragma unroll
-          for (int j = 0; j < kDQRounds; ++j) {
-            mbar_wait(bar_dq_full, (kDQRounds * it + j) & 1);
+            for (int j = 0; j < kDQRounds; ++j) {
+              mbar_wait(bar_dq_full, (kDQRounds * it + j) & 1);
 #pragma unroll
-            for (int cb = 0; cb < kHeadDim / 32 / kDQRounds; ++cb) {
-              // kSplitCols: round j holds columns 64 j .. of each warpgroup's 128
-              const int col = kSplitCols ? (cb / 2) * 128 + 64 * j + (cb % 2) * 32 : cb * 32;
-              if (first)
-                tma_store_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
-                             static_cast<int>(b));
+              for (int cb = 0; cb < kHeadDim / 32 / kDQRounds; ++cb) {
+                // kSplitCols: round j holds columns 64 j .. of each warpgroup's 128
+                const int col = kSplitCols ? (cb / 2) * 128 + 64 * j + (cb % 2) * 32 : cb * 32;
+                if (first)
+                  tma_store_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
+                               static_cast<int>(b));
+                else
+                  tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
+                                    static_cast<int>(b), L2Hint::kLast);
+              }
+              bulk_commit();
+              bulk_wait_read();
+              mbar_arrive(bar_dq_empty);
+            }
+            if (first || det) {  // the stored (added) tile, once its copy is complete
+              bulk_wait_all();
+              fence_proxy_async_global();
+              if (det)
+                red_add_release(turn, 1);
               else
-                tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
-                                  static_cast<int>(b), L2Hint::kLast);
+                red_or_release(ticket, kDone);
             }
-            bulk_commit();
-            bulk_wait_read();
-            mbar_arrive(bar_dq_empty);
           }
-          if (first || det) {  // the stored (added) tile, once its copy is complete
-            bulk_wait_all();
-            fence_proxy_async_global();
-            if (det)
-              red_add_release(turn, 1);
-            else
-              red_or_release(ticket, kDone);
-          }
+          if constexpr (kRules) __syncwarp();
         }
       }
     }
@@ -849,12 +872,14 @@ inline int bwd_section_pairs(const BwdParams& p, int64_t key_tiles, bool causal)
 
 // The sm90 backward on `stream`: preprocess, the main kernel above, convert; false (nothing
 // launched) when the TMA descriptors cannot be built. Preconditions (select.h use_bwd_sm90):
-// a cc 9.x device, no variant but the key-range rules (rules.cuh), deterministic only without
-// them, H == Hv == kHeadDim, T, S > 0. The rules kernel covers causal too, so each file
+// a cc 9.x device, no variant but the key-range rules (rules.cuh), H == Hv == kHeadDim, T,
+// S > 0. The rules kernel covers causal too, so each file
 // compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::BwdCfgSm90<T, kHeadDim>;
+  static_assert(Cfg::kBlockN == bwd_block_n(kHeadDim) && Cfg::kBlockM == bwd_block_m(kHeadDim),
+                "bwd_workspace sizes dq_turn and kv_seg_range by these tiles");
   CUtensorMap tma_q, tma_k, tma_v, tma_do, tma_dq;
   if (!sm90::encode_btnh<T>(&tma_q, p.q, p.h, p.n, p.t, p.b, p.q_head_stride, p.q_row_stride,
                             p.q_batch_stride, Cfg::kBlockM) ||
@@ -874,9 +899,11 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   BwdParams q = p;
   q.dq_first_store = kCausal && !live_variant(p) && !p.deterministic && p.dq_ticket && p.s <= 2048;
   bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
-  if (p.deterministic) cudaMemsetAsync(p.dq_turn, 0, bwd_workspace(p).dq_turn * sizeof(int), stream);
+  const BwdWorkspace w = bwd_workspace(p);
+  if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
+  if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
   // H = 256 has no rules kernel (select.h sends its variants to sm80).
   constexpr bool kHasRules = !Cfg::kSplitCols;
   auto kernel = q.dq_first_store ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false, kCausal>

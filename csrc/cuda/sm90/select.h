@@ -4,7 +4,7 @@
 // for attention with at least one key whose variants are only the rules of sm90_rules_only, at
 // H = 256 for plain (optionally causal) attention; the backward at H in {64, 128} for the
 // forward's cases with T, S > 0, at H = 256 for plain (optionally causal) attention with T,
-// S > 0; deterministic, for plain or causal attention only.
+// S > 0, the same cases with deterministic_backward.
 // JAXFLASH_DISABLE_SM90=1 forces the sm80 kernels (A/B benchmarking).
 #pragma once
 
@@ -78,8 +78,7 @@ inline bool use_fwd_sm90(const FwdParams& p) {
 }
 
 inline bool use_bwd_sm90(const BwdParams& p) {
-  return !sm90_disabled_by_env() && p.s > 0 && p.t > 0 && sm90_rules_only(p) &&
-         !(p.deterministic && live_variant(p)) && tma_strides_ok(p) &&
+  return !sm90_disabled_by_env() && p.s > 0 && p.t > 0 && sm90_rules_only(p) && tma_strides_ok(p) &&
          tma_strides_ok({p.do_head_stride, p.do_row_stride, p.do_batch_stride}) &&
          p.b < (int64_t{1} << 31) && current_cc_major() == 9;
 }
