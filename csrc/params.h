@@ -96,6 +96,9 @@ struct BwdParams : FwdParams {
   // first contribution to a query tile is stored (dq_accum is not zeroed), the rest added.
   int* dq_ticket = nullptr;
   bool dq_first_store = false;
+  // The deterministic sm90 backward of plain attention: each key tile starts its walk of the
+  // query tiles at a step of its own (run_bwd_sm90).
+  bool rotate_walk = false;
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;

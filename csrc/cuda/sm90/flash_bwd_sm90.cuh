@@ -91,11 +91,15 @@ struct BwdSegShared {
 // candidate without segment ids (seg null).
 template <typename Seg>
 struct StepWalk {
-  int r = -1, head = 0;
+  int r, head, heads;
+  // Without segment ids the walk may start at any step (head * n_cand + r) and wrap past the
+  // last head.
+  __device__ StepWalk(int start, int n_cand, int heads_)
+      : r(start % n_cand - 1), head(start / n_cand), heads(heads_) {}
   __device__ void next(const Seg* seg, int n_cand) {
     r = seg ? seg->next_live(r + 1, n_cand) : r + 1;
     if (r >= n_cand) {
-      ++head;
+      if (++head == heads) head = 0;
       r = seg ? seg->next_live(0, n_cand) : 0;
     }
   }
@@ -271,6 +275,12 @@ __global__ void __launch_bounds__(384, 1)
     __syncthreads();
   }
   const int n_steps = group * (seg ? seg->num_live : n_cand);
+  // p.rotate_walk (deterministic plain attention): key tile k of K starts its walk at step
+  // k W / K of the W = group * n_cand and wraps round, so that each step's visitors come W / K
+  // steps apart instead of all at once, each waiting for the one before.
+  const bool rotate = !kCausal && !kRules && p.rotate_walk;
+  const int walk_len = group * n_cand;
+  const int walk_start = rotate ? static_cast<int>(int64_t{key_tile} * walk_len / key_tiles) : 0;
 
   if (warp < 4) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -290,7 +300,7 @@ __global__ void __launch_bounds__(384, 1)
                       L2Hint::kFirst);
         }
       }
-      StepWalk<Seg> walk;
+      StepWalk<Seg> walk(walk_start, n_cand, group);
       for (int it = 0; it < n_steps; ++it) {
         walk.next(seg, n_cand);
         const int s = it % kStages;
@@ -358,8 +368,12 @@ __global__ void __launch_bounds__(384, 1)
       // visitor is the key tile of the tile's last row, under the rules that of the last key
       // its rows may see; with segment ids only the visitors whose ids the tile's meet count
       // (the live candidates above, from every key tile's id range in p.kv_seg_range), which
-      // lane 0 cannot count alone: the rules kernel's writer runs on the whole warp.
-      auto dq_rank = [&](int m0) {
+      // lane 0 cannot count alone: the rules kernel's writer runs on the whole warp. Rotated
+      // walks (plain attention) turn the order round to the key tile whose walk starts last at
+      // or before the step: a CTA may then wait for any CTA of its pair, so all of them must fit
+      // on the GPU at once (run_bwd_sm90).
+      auto dq_rank = [&](const StepWalk<Seg>& walk) {
+        const int m0 = step_m0(walk);
         if constexpr (kRules) {
           const int last = (rules.key_range(m0, kBlockM).y - 1) / kBlockN;
           if (!seg) return last - key_tile;
@@ -371,19 +385,26 @@ __global__ void __launch_bounds__(384, 1)
                     m0 / kBlockM - rules.query_range(k * kBlockN, kBlockN).x / kBlockM >=
                         Seg::kLiveTiles;
           return __reduce_add_sync(0xffffffffu, live);
+        } else if constexpr (kCausal) {
+          return min(key_tiles - 1, (m0 + kBlockM - 1) / kBlockN) - key_tile;
         } else {
-          const int last = kCausal ? min(key_tiles - 1, (m0 + kBlockM - 1) / kBlockN) : key_tiles - 1;
-          return last - key_tile;
+          // Rotated: the first visitor is the last key tile k with k W / K <= w.
+          const int w = walk.head * n_cand + walk.r;
+          const int first =
+              rotate ? static_cast<int>((int64_t{w + 1} * key_tiles + walk_len - 1) / walk_len) - 1
+                     : key_tiles - 1;
+          const int d = first - key_tile;
+          return d < 0 ? d + key_tiles : d;
         }
       };
       if (kRules || lane == 0) {
         if (lane == 0) tma_prefetch_desc(&tma_dq);
-        StepWalk<Seg> walk;
+        StepWalk<Seg> walk(walk_start, n_cand, group);
         const int m_tiles = (t_len + kBlockM - 1) / kBlockM;
         for (int it = 0; it < n_steps; ++it) {
           walk.next(seg, n_cand);
           const int n = static_cast<int>(step_head(walk)), m0 = step_m0(walk);
-          const int rank = det ? dq_rank(m0) : 0;
+          const int rank = det ? dq_rank(walk) : 0;
           if (lane == 0) {
             // kFirstStore (causal, run_bwd_sm90): dq_accum is not zeroed; a query tile's first
             // contribution is stored, the others added once its ticket says kDone. The first
@@ -903,6 +924,11 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
+  // Deterministic plain attention in rotated walks where a pair's CTAs fit twice over on the
+  // SMs: +5-20% at 1k-4k (D=64-256); level to 2% slower where a pair takes half the SMs or
+  // more (its CTAs start across waves; NOTES.md, twenty-seventh session).
+  q.rotate_walk =
+      !kCausal && !live_variant(p) && p.deterministic && 2 * key_tiles <= sm90::sm_count();
   if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
   // H = 256 has no rules kernel (select.h sends its variants to sm80).
   constexpr bool kHasRules = !Cfg::kSplitCols;
