@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(384, 1)
   // (L2), and under causal masking the longest ones start first across the section
   // (run_bwd_sm90). sec_pairs = 1: each pair's key tiles one after the other.
   // Deterministic: each pair's key tiles start last to first, the order in which they add to
-  // a query tile's dQ (the dQ writer below).
+  // a query tile's dQ (but for rotated walks; the dQ writer below).
   const bool det = p.deterministic;
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
   const int2 st = section_tile(blockIdx.x, sec_pairs, static_cast<unsigned>(p.b * p.kh), key_tiles);
@@ -894,8 +894,7 @@ inline int bwd_section_pairs(const BwdParams& p, int64_t key_tiles, bool causal)
 // The sm90 backward on `stream`: preprocess, the main kernel above, convert; false (nothing
 // launched) when the TMA descriptors cannot be built. Preconditions (select.h use_bwd_sm90):
 // a cc 9.x device, no variant but the key-range rules (rules.cuh), H == Hv == kHeadDim, T,
-// S > 0. The rules kernel covers causal too, so each file
-// compiles it once.
+// S > 0. The rules kernel covers causal too, so each file compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Cfg = sm90::BwdCfgSm90<T, kHeadDim>;
