@@ -139,14 +139,17 @@ def _packed_ids(seed, batch, length, docs, shuffle=False):
 
 # deterministic_backward=True with the key-range rules and segment ids (sm90: the rules kernel;
 # a query tile's visitors are the key tiles its rows may see, and with segment ids only those
-# whose ids meet its own count in its order). Packed documents a few key tiles long (most key
-# tiles meet only some query tiles), unsorted ids, lengths, window, bottom-right alignment,
-# GQA, T != S, ragged tiles.
+# whose ids meet its own count in its order; segment ids alone in rotated walks). Packed
+# documents a few key tiles long (most key tiles meet only some query tiles), unsorted ids,
+# lengths, window, bottom-right alignment, GQA, T != S, ragged tiles.
 B_RULES, T_RULES, S_RULES = 2, 1300, 1700
 DETERMINISTIC_RULES = {
     "segments_causal": lambda: dict(
         is_causal=True, query_segment_ids=_packed_ids(1, B_RULES, T_RULES, 9),
         key_value_segment_ids=_packed_ids(1, B_RULES, S_RULES, 9)),
+    "segments_shuffled": lambda: dict(
+        is_causal=False, query_segment_ids=_packed_ids(5, B_RULES, T_RULES, 6, shuffle=True),
+        key_value_segment_ids=_packed_ids(5, B_RULES, S_RULES, 6, shuffle=True)),
     "segments_unsorted_lengths": lambda: dict(
         is_causal=False, query_segment_ids=_packed_ids(3, B_RULES, T_RULES, 7, shuffle=True),
         key_value_segment_ids=_packed_ids(3, B_RULES, S_RULES, 7, shuffle=True),

@@ -92,10 +92,10 @@ struct BwdSegShared {
 template <typename Seg>
 struct StepWalk {
   int r, head, heads;
-  // Without segment ids the walk may start at any step (head * n_cand + r) and wrap past the
-  // last head.
+  // The walk starts at step `start` (head * n_cand + r, or the first live candidate from
+  // there) and wraps round past the last head.
   __device__ StepWalk(int start, int n_cand, int heads_)
-      : r(start % n_cand - 1), head(start / n_cand), heads(heads_) {}
+      : r(n_cand ? start % n_cand - 1 : -1), head(n_cand ? start / n_cand : 0), heads(heads_) {}
   __device__ void next(const Seg* seg, int n_cand) {
     r = seg ? seg->next_live(r + 1, n_cand) : r + 1;
     if (r >= n_cand) {
@@ -275,10 +275,11 @@ __global__ void __launch_bounds__(384, 1)
     __syncthreads();
   }
   const int n_steps = group * (seg ? seg->num_live : n_cand);
-  // p.rotate_walk (deterministic plain attention): key tile k of K starts its walk at step
-  // k W / K of the W = group * n_cand and wraps round, so that each step's visitors come W / K
-  // steps apart instead of all at once, each waiting for the one before.
-  const bool rotate = !kCausal && !kRules && p.rotate_walk;
+  // p.rotate_walk (deterministic, every key tile a candidate of every query tile): key tile k
+  // of K starts its walk at step k W / K of the W = group * n_cand and wraps round, so that
+  // each step's visitors come W / K steps apart instead of all at once, each waiting for the
+  // one before.
+  const bool rotate = !kCausal && p.rotate_walk;
   const int walk_len = group * n_cand;
   const int walk_start = rotate ? static_cast<int>(int64_t{key_tile} * walk_len / key_tiles) : 0;
 
@@ -369,32 +370,39 @@ __global__ void __launch_bounds__(384, 1)
       // its rows may see; with segment ids only the visitors whose ids the tile's meet count
       // (the live candidates above, from every key tile's id range in p.kv_seg_range), which
       // lane 0 cannot count alone: the rules kernel's writer runs on the whole warp. Rotated
-      // walks (plain attention) turn the order round to the key tile whose walk starts last at
-      // or before the step: a CTA may then wait for any CTA of its pair, so all of them must fit
-      // on the GPU at once (run_bwd_sm90).
+      // walks turn the order round to the key tile whose walk starts last at or before the
+      // step: a CTA may then wait for any CTA of its pair, so all of them must fit on the GPU
+      // at once (run_bwd_sm90).
       auto dq_rank = [&](const StepWalk<Seg>& walk) {
         const int m0 = step_m0(walk);
-        if constexpr (kRules) {
-          const int last = (rules.key_range(m0, kBlockM).y - 1) / kBlockN;
-          if (!seg) return last - key_tile;
+        // The visitors ahead of this key tile: key tiles key_tile + 1 .. key_tile + ahead
+        // (mod K).
+        int ahead;
+        if constexpr (kCausal) {
+          ahead = min(key_tiles - 1, (m0 + kBlockM - 1) / kBlockN) - key_tile;
+        } else if (rotate) {  // the first visitor: the last key tile k with k W / K <= w
+          const int w = walk.head * n_cand + walk.r;
+          ahead = static_cast<int>((int64_t{w + 1} * key_tiles + walk_len - 1) / walk_len) - 1 -
+                  key_tile;
+          if (ahead < 0) ahead += key_tiles;
+        } else {
+          ahead = (kRules ? (rules.key_range(m0, kBlockM).y - 1) / kBlockN : key_tiles - 1) -
+                  key_tile;
+        }
+        if constexpr (!kRules) {
+          return ahead;
+        } else {
+          if (!seg) return ahead;
           const int2 q_ids_range = q_tile_ids(m0);
           const int* kv_range = p.kv_seg_range + 2 * b * key_tiles;
           int live = 0;
-          for (int k = key_tile + 1 + lane; k <= last; k += 32)
+          for (int i = 1 + lane; i <= ahead; i += 32) {
+            const int k = key_tile + i < key_tiles ? key_tile + i : key_tile + i - key_tiles;
             live += bwd::seg_meet(q_ids_range, make_int2(kv_range[2 * k], kv_range[2 * k + 1])) ||
                     m0 / kBlockM - rules.query_range(k * kBlockN, kBlockN).x / kBlockM >=
                         Seg::kLiveTiles;
+          }
           return __reduce_add_sync(0xffffffffu, live);
-        } else if constexpr (kCausal) {
-          return min(key_tiles - 1, (m0 + kBlockM - 1) / kBlockN) - key_tile;
-        } else {
-          // Rotated: the first visitor is the last key tile k with k W / K <= w.
-          const int w = walk.head * n_cand + walk.r;
-          const int first =
-              rotate ? static_cast<int>((int64_t{w + 1} * key_tiles + walk_len - 1) / walk_len) - 1
-                     : key_tiles - 1;
-          const int d = first - key_tile;
-          return d < 0 ? d + key_tiles : d;
         }
       };
       if (kRules || lane == 0) {
@@ -923,11 +931,13 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
-  // Deterministic plain attention in rotated walks where a pair's CTAs fit twice over on the
-  // SMs: +5-20% at 1k-4k (D=64-256); level to 2% slower where a pair takes half the SMs or
-  // more (its CTAs start across waves; NOTES.md, twenty-seventh session).
-  q.rotate_walk =
-      !kCausal && !live_variant(p) && p.deterministic && 2 * key_tiles <= sm90::sm_count();
+  // Deterministic attention whose key tiles all walk all query tiles (plain, or segment ids
+  // alone) in rotated walks where a pair's CTAs fit twice over on the SMs: +5-20% at 1k-4k
+  // (D=64-256); level to 2% slower where a pair takes half the SMs or more (its CTAs start
+  // across waves; NOTES.md, twenty-seventh session).
+  const bool full_walks = !p.is_causal && !p.q_lengths && !p.kv_lengths && p.window_left < 0 &&
+                          p.window_right < 0 && !p.bottom_right;
+  q.rotate_walk = !kCausal && p.deterministic && full_walks && 2 * key_tiles <= sm90::sm_count();
   if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
   // H = 256 has no rules kernel (select.h sends its variants to sm80).
   constexpr bool kHasRules = !Cfg::kSplitCols;
