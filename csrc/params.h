@@ -96,8 +96,8 @@ struct BwdParams : FwdParams {
   // first contribution to a query tile is stored (dq_accum is not zeroed), the rest added.
   int* dq_ticket = nullptr;
   bool dq_first_store = false;
-  // The deterministic sm90 backward of plain attention: each key tile starts its walk of the
-  // query tiles at a step of its own (run_bwd_sm90).
+  // The deterministic sm90 backward where every key tile walks every query tile (plain
+  // attention, or segment ids alone): each starts at a step of its own (run_bwd_sm90).
   bool rotate_walk = false;
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;

@@ -1,5 +1,6 @@
 """GPU-only checks: 64-bit offsets (a tensor of more than 2**31 elements), platform choice,
-head dims the forward runs and the backward does not."""
+the sm90 backward's dQ modes (first stores, deterministic orders), head dims the forward runs
+and the backward does not."""
 
 import functools
 
@@ -96,6 +97,13 @@ def _grads_against_reference(shape, is_causal, deterministic=False, seeds=(0, 1)
   return got, functools.partial(grads, q, k, v, do)
 
 
+def _assert_same_bits(first, again):
+  """`first` (dq, dk, dv) and three more runs of `again` are the same bits."""
+  for _ in range(3):
+    for name, a, b in zip(("dq", "dk", "dv"), first, again()):
+      assert (np.asarray(a).view(np.uint16) == np.asarray(b).view(np.uint16)).all(), name
+
+
 # Causal backwards whose dq_accum is not zeroed (sm90, up to 2048 keys): each query tile's first
 # dQ is stored by the CTA that claims its ticket and the others add after it. Keys past the
 # queries (no CTA owns the query tiles past S, every visitor may claim), GQA, ragged tiles;
@@ -120,12 +128,6 @@ def test_deterministic_backward_plain_and_causal(shape, is_causal):
   if shape[-1] not in _ffi.cuda_bwd_head_dims():
     pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
   _assert_same_bits(*_grads_against_reference(shape, is_causal, deterministic=True, seeds=(0,)))
-
-
-def _assert_same_bits(first, again):
-  for _ in range(3):
-    for name, a, b in zip(("dq", "dk", "dv"), first, again()):
-      assert (np.asarray(a).view(np.uint16) == np.asarray(b).view(np.uint16)).all(), name
 
 
 def _packed_ids(seed, batch, length, docs, shuffle=False):

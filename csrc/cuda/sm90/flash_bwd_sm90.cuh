@@ -398,9 +398,11 @@ __global__ void __launch_bounds__(384, 1)
           int live = 0;
           for (int i = 1 + lane; i <= ahead; i += 32) {
             const int k = key_tile + i < key_tiles ? key_tile + i : key_tile + i - key_tiles;
+            // (candidates past Seg::kLiveTiles are visited whatever their ids)
             live += bwd::seg_meet(q_ids_range, make_int2(kv_range[2 * k], kv_range[2 * k + 1])) ||
-                    m0 / kBlockM - rules.query_range(k * kBlockN, kBlockN).x / kBlockM >=
-                        Seg::kLiveTiles;
+                    (m0 / kBlockM >= Seg::kLiveTiles &&
+                     m0 / kBlockM - rules.query_range(k * kBlockN, kBlockN).x / kBlockM >=
+                         Seg::kLiveTiles);
           }
           return __reduce_add_sync(0xffffffffu, live);
         }
