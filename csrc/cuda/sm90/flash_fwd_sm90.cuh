@@ -852,11 +852,14 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
     return false;
   auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow, kWGs>;
   // kDynamic's sections: the query heads whose K and V fill 32 MB of the L2 (the heads of a
-  // GQA group share theirs).
+  // GQA group share theirs), 16 MB where a head has at most 8 query tiles. Measured against
+  // 8-32 MB (NOTES.md, twenty-eighth session): 16 MB is 2.4-4.2% faster at 1k keys and
+  // 1.5-3% slower at 2k-4k, where 32 MB is the best.
   const int64_t kv_bytes =
       std::max<int64_t>(2 * p.s * p.h * static_cast<int64_t>(sizeof(T)) * p.kh / p.n, 1);
+  const int64_t sec_bytes = int64_t{num_m_blocks <= 8 ? 16 : 32} << 20;
   const int sec_heads =
-      static_cast<int>(std::clamp<int64_t>((int64_t{32} << 20) / kv_bytes, 1, p.b * p.n));
+      static_cast<int>(std::clamp<int64_t>(sec_bytes / kv_bytes, 1, p.b * p.n));
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) != cudaSuccess)
