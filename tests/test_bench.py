@@ -1,15 +1,18 @@
-"""The benchmark helpers: rounds that interleave the implementations, and the output check
-that decides which peers are timed."""
+"""The benchmark helpers: rounds that interleave the implementations, the output check that
+decides which peers are timed, and benchmarks/ab_builds.py's second build of the extension."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import pathlib
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jaxflash
-from jaxflash import bench
+from jaxflash import _ffi, bench
 
 POINT = (1, 96, 96, 2, 2, 32)  # B, T, S, N, K, H
 
@@ -54,3 +57,36 @@ def test_measure_point_times_only_right_outputs():
   assert got["fails"][3] == ["NotImplementedError: no such shape"]
   t_fwd, t_bwd, config, errors = got["tuned"]
   assert t_fwd > 0 and t_bwd > 0 and config == "y" and errors[0].startswith("x: wrong output")
+
+
+def _ab_builds():
+  """benchmarks/ab_builds.py as a module (benchmarks/ is not a package)."""
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ab_builds.py"
+  spec = importlib.util.spec_from_file_location("ab_builds", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.skipif(not _ffi.cpu_built(), reason="needs the compiled extension")
+def test_ab_builds_runs_a_second_build_under_its_own_targets(tmp_path):
+  """A second copy of the extension, loaded by ab_builds, serves every call traced inside
+  renamed() (the custom_vjp's backward too) and gives the installed build's results."""
+  ab = _ab_builds()
+  ab.load_build("twin", _ffi._ext.__file__, str(tmp_path))
+  q, k, v, dout = bench.bench_inputs(1, 96, 80, 4, 2, 32, jnp.float32)
+  attn = lambda q, k, v, c: jaxflash.attention(q, k, v, is_causal=c, implementation="cpu")
+  text = {name: jax.jit(ab.in_build(name, lambda q, k, v: attn(q, k, v, True)))
+          .lower(q, k, v).as_text() for name in ("base", "twin")}
+  assert "jfab_twin_fwd_cpu" in text["twin"] and "jfab_twin" not in text["base"]
+  got = {}
+  for name in ("base", "twin"):
+    with ab.renamed(name):
+      _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, True), q, k, v)
+      got[name] = jax.jit(lambda vjp, dout: vjp(dout)).lower(vjp, dout).as_text()
+  assert "jfab_twin_bwd_cpu" in got["twin"] and "jfab_twin" not in got["base"]
+  base_out = bench.attention_outputs(attn, q, k, v, dout, True)
+  with ab.renamed("twin"):
+    twin_out = bench.attention_outputs(attn, q, k, v, dout, True)
+  for a, b in zip(base_out, twin_out):
+    assert jnp.array_equal(a, b)
