@@ -122,11 +122,12 @@ def main(argv=None):
     B = max(1, args.tokens // S)
     impls = {n: _jaxflash for n in names}
     impls.update(others)
+    build_of = {n: n if n in names else "base" for n in impls}  # peers run outside renamed()
     q, k, v, dout = bench.bench_inputs(B, S, S, N, N, D)
     base_out = bench.attention_outputs(_jaxflash, q, k, v, dout, causal, backward)
     diffs = {}
     for n, attn in list(impls.items())[1:]:
-      with renamed(n if n in names else "base"):
+      with renamed(build_of[n]):
         got = bench.attention_outputs(attn, q, k, v, dout, causal,
                                       backward and n not in bench.FORWARD_ONLY)
       diffs[n] = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, base_out)]
@@ -135,7 +136,7 @@ def main(argv=None):
           "; ".join(f"{n} " + ", ".join(f"{d:.3g}" for d in ds) for n, ds in diffs.items()),
           flush=True)
     calls, failed = bench.prepare({n: functools.partial(
-        build_calls, n if n in names else "base", a, B, S, S, N, N, D, causal,
+        build_calls, build_of[n], a, B, S, S, N, N, D, causal,
         backward=backward and n not in bench.FORWARD_ONLY) for n, a in impls.items()})
     for n, e in failed.items():
       print(f"  {n}: {e}")
