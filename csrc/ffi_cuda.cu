@@ -160,11 +160,13 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
     return cuda_error("zero-filling the gradients failed");
   }
   const size_t rows = static_cast<size_t>(p.b * p.n * p.t);  // (B, N, T) = (B, T, N) rows
+  const int64_t padded_rows = p.b * p.n * cuda::bwd_t_pad(p.t);  // (B, N, T_pad)
   const cuda::BwdWorkspace w = cuda::bwd_workspace(p);
   bool allocated = true;
   // A 4-byte workspace of `count` elements, or null when count is 0.
   auto allocate = [&](int64_t count) { return scratch_bytes(scratch, count * 4, allocated); };
-  p.delta = static_cast<float*>(allocate(static_cast<int64_t>(rows)));
+  p.delta = static_cast<float*>(allocate(padded_rows));
+  p.lse_log2 = static_cast<float*>(allocate(padded_rows));
   // Rows as wide as the kernel's tiles (H padded: flash_bwd.cuh Tiles).
   p.dq_accum = static_cast<float*>(allocate(static_cast<int64_t>(rows) * cuda::bwd_width(p.h)));
   p.dbias_accum = static_cast<float*>(allocate(w.dbias_accum));

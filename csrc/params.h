@@ -80,7 +80,12 @@ struct BwdParams : FwdParams {
   void* dq;           // (B, T, N, H), q's dtype or float32 (grads_f32)
   void* dk;           // (B, S, K, H), likewise
   void* dv;           // (B, S, K, Hv), likewise
-  float* delta;       // (B, N, T) workspace: rowsum(dout * o) - dlse
+  float* delta;       // (B, N, T) workspace: rowsum(dout * o) - dlse; (B, N, t_pad) with t_pad
+  // The sm90 backward's rows padded to t_pad (a multiple of its query tiles; 0: unpadded):
+  // delta as above, 0 past T, and lse_log2 (B, N, t_pad) = lse * log2(e), +inf where the row
+  // sees no key or lies past T or the query length, so that whole tiles of both are bulk copies.
+  int64_t t_pad = 0;
+  float* lse_log2 = nullptr;
   float* dq_accum;    // (B, T, N, H) fp32 workspace where a kernel accumulates dq; may be null
   void* dbias = nullptr;         // bias's shape, dense, dtype of q: dlogits summed over broadcast dims
   float* dalibi = nullptr;       // (B, N): gradient of alibi_slopes

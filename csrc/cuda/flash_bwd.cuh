@@ -146,7 +146,8 @@ constexpr int kDqTicketDone = 1 << 30;
 // delta[b, n, t] = sum_d dout[b, t, n, d] * o[b, t, n, d] - dlse[b, n, t] (Hv columns), with
 // the forward's fp32 o (p.o_f32) when given, else the stored one;
 // dq_accum[b, t, n, :H] = 0 (rows bwd_width(H) wide; the padding is never read), or with
-// p.dq_first_store the dQ tickets = 0 instead.
+// p.dq_first_store the dQ tickets = 0 instead. With p.t_pad (the sm90 backward) delta's rows
+// are t_pad long (lse_rows_kernel writes the rest).
 template <typename T, int kHeadDim, int kHeadDimV>
 __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
     preprocess_kernel(const BwdParams p) {
@@ -197,10 +198,22 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
   // Every lane takes part in the shuffles; kLanes divides 32, so a row never straddles warps.
 #pragma unroll
   for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (valid && c == 0) {
-    const int64_t bnt = (b * p.n + n) * p.t + t;
-    p.delta[bnt] = acc - p.dlse[bnt];
-  }
+  if (valid && c == 0)
+    p.delta[(b * p.n + n) * (p.t_pad ? p.t_pad : p.t) + t] = acc - p.dlse[(b * p.n + n) * p.t + t];
+}
+
+// The sm90 backward's padded rows (BwdParams::t_pad), in address order: lse_log2[b, n, t] =
+// lse * log2(e), +inf where P = 0 (no visible key, t past T or the query length: sm90/rules.cuh),
+// and delta = 0 at t past T.
+static __global__ void __launch_bounds__(256) lse_rows_kernel(const BwdParams p) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= p.b * p.n * p.t_pad) return;
+  const int64_t bn = idx / p.t_pad, t = idx % p.t_pad, b = bn / p.n;
+  const int64_t q_len = p.q_lengths ? max(int64_t{0}, min(int64_t{p.q_lengths[b]}, p.t)) : p.t;
+  const float lse = t < q_len ? p.lse[bn * p.t + t] : -INFINITY;
+  p.lse_log2[idx] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+  if (t >= p.t) p.delta[idx] = 0.f;
 }
 
 // dq[b, t, n] = scale * dq_accum[b, t, n, :H], cast to T (or kept in fp32: grads_f32).
@@ -1280,6 +1293,8 @@ void launch_preprocess(const BwdParams& p, cudaStream_t stream) {
   if (rows > 0)
     preprocess_kernel<T, kHeadDim, kHeadDimV>
         <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
+  if (rows > 0 && p.t_pad)
+    lse_rows_kernel<<<static_cast<unsigned>((p.b * p.n * p.t_pad + 255) / 256), 256, 0, stream>>>(p);
 }
 
 template <typename T, int kHeadDim>

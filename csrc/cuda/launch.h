@@ -83,6 +83,8 @@ void run_fwd(const FwdParams& p, cudaStream_t stream);
 constexpr int bwd_width(int64_t head_dim) { return static_cast<int>((head_dim + 63) / 64 * 64); }
 constexpr int bwd_block_n(int64_t head_dim) { return bwd_width(head_dim) <= 128 ? 128 : 64; }
 constexpr int bwd_block_m(int64_t head_dim) { return bwd_width(head_dim) == 64 ? 128 : 64; }
+// Query rows padded to whole tiles of every head dim's sm90 backward (BwdParams::t_pad).
+constexpr int64_t bwd_t_pad(int64_t t) { return (t + 127) / 128 * 128; }
 // Dynamic shared memory of the backward's main kernel: K, V, 2 x Q, 2 x dO, P, dS (16-bit),
 // 2 x lse, 2 x delta (fp32).
 constexpr int bwd_smem_bytes(int64_t head_dim) {
@@ -128,7 +130,7 @@ inline BwdWorkspace bwd_workspace(const BwdParams& p) {
   return w;
 }
 
-// p.delta (B, N, T) and p.dq_accum (B, T, N, bwd_width(H)) must point at fp32 device
+// p.delta and p.lse_log2 (B, N, bwd_t_pad(T)) and p.dq_accum (B, T, N, bwd_width(H)) must point at fp32 device
 // workspace, and the fields of bwd_workspace(p) at workspaces of those sizes. (kHeadDim,
 // kHeadDimV) is (H, Hv) exactly (dispatch_bwd_head_dims). Every variant is supported.
 template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>

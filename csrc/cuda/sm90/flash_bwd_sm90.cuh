@@ -169,7 +169,6 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int kDQRounds = Cfg::kDQRounds;
   static_assert(!(kSplitCols && kRules), "H = 256 runs the rules on sm80 (select.h)");
   constexpr uint32_t kRowBytes = Cfg::kRowBytes;
-  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -238,7 +237,8 @@ __global__ void __launch_bounds__(384, 1)
   if (tid == 0) {
     mbar_init(bar_kv, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_full + 8 * s, 32);  // every lane of the producer warp (lse, delta rows)
+      // the producer's lane 0, or in the rules kernel every lane (its rows)
+      mbar_init(bar_full + 8 * s, kRules ? 32 : 1);
       // every consumer thread, each releasing its own reads of the stage's rows (sM0, sLse,
       // sDelta, seg->q_ids) before the producer rewrites them
       mbar_init(bar_empty + 8 * s, 256);
@@ -309,13 +309,17 @@ __global__ void __launch_bounds__(384, 1)
         const int m0 = step_m0(walk);
         // Stage s last held step it - kStages: wait until both consumers released it.
         if (it >= kStages) mbar_wait(bar_empty + 8 * s, (it / kStages - 1) & 1);
-        // Q and dO first: the rows below are global loads, whose latency would otherwise delay
-        // the copies (exposed at a CTA's first step). Every lane arrives once its rows are in.
+        // Q, dO and the step's lse (log2 units) and delta rows, padded by the preprocess pass
+        // to whole tiles (BwdParams::t_pad; lse_log2 = +inf where P = 0: rows past T or q_len,
+        // or with no visible key): copies from one thread, and in the rules kernel the rows by
+        // every lane with the segment ids (there the copies cost the consumers spills).
         const uint32_t full = bar_full + 8 * s;
         const int ci_n = static_cast<int>(n);
+        const int64_t row0 = (b * p.n + n) * p.t_pad + m0;
         if (lane == 0) {
           sM0[s] = m0;
-          mbar_expect_tx(full, (kSplitCols ? 1 : 2) * Cfg::kQBytes);
+          constexpr uint32_t kRowsBytes = kRules ? 0 : kBlockM * 4;
+          mbar_expect_tx(full, (kSplitCols ? 1 : 2) * Cfg::kQBytes + 2 * kRowsBytes);
           const uint32_t stage = s * Cfg::kQBytes;
 #pragma unroll
           for (int cb = 0; cb < kHeadDim / 64; ++cb) {
@@ -325,28 +329,30 @@ __global__ void __launch_bounds__(384, 1)
               tma_load_4d(sdO + stage + cb * kBlockM * kRowBytes, &tma_do, full, cb * 64, ci_n, m0,
                           ci_b, L2Hint::kLast);
           }
-        }
-        // Rows past T (their Q, dO are TMA's zeros), past q_len or with no visible key
-        // (lse -inf): lse = +inf gives P = 0 there.
-        const int64_t row0 = (b * p.n + n) * p.t;
-        int id_lo = INT_MAX, id_hi = INT_MIN;  // the range of the step's ids, as q_tile_ids
-        for (int r = lane; r < kBlockM; r += 32) {
-          const bool valid = m0 + r < q_end;
-          const float lse = valid ? p.lse[row0 + m0 + r] : -INFINITY;
-          sLse[s * kBlockM + r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-          sDelta[s * kBlockM + r] = valid ? p.delta[row0 + m0 + r] : 0.f;
-          if (seg) {
-            const int id = valid ? q_ids[m0 + r] : 0;
-            seg->q_ids[s][r] = id;
-            if (valid) id_lo = min(id_lo, id), id_hi = max(id_hi, id);
+          if constexpr (!kRules) {
+            bulk_load(base + Cfg::kOffLse + s * kRowsBytes, p.lse_log2 + row0, kRowsBytes, full);
+            bulk_load(base + Cfg::kOffDelta + s * kRowsBytes, p.delta + row0, kRowsBytes, full);
           }
         }
-        if (seg) {
-          id_lo = __reduce_min_sync(0xffffffffu, id_lo);
-          id_hi = __reduce_max_sync(0xffffffffu, id_hi);
-          if (lane == 0) seg->q_lo[s] = id_lo, seg->q_hi[s] = id_hi;
+        if constexpr (kRules) {
+          int id_lo = INT_MAX, id_hi = INT_MIN;  // the range of the step's ids, as q_tile_ids
+          for (int r = lane; r < kBlockM; r += 32) {
+            sLse[s * kBlockM + r] = p.lse_log2[row0 + r];
+            sDelta[s * kBlockM + r] = p.delta[row0 + r];
+            if (seg) {
+              const bool valid = m0 + r < q_end;
+              const int id = valid ? q_ids[m0 + r] : 0;
+              seg->q_ids[s][r] = id;
+              if (valid) id_lo = min(id_lo, id), id_hi = max(id_hi, id);
+            }
+          }
+          if (seg) {
+            id_lo = __reduce_min_sync(0xffffffffu, id_lo);
+            id_hi = __reduce_max_sync(0xffffffffu, id_hi);
+            if (lane == 0) seg->q_lo[s] = id_lo, seg->q_hi[s] = id_hi;
+          }
         }
-        mbar_arrive(full);
+        if (kRules || lane == 0) mbar_arrive(full);
         if constexpr (kSplitCols) {  // dO once both dVs of step it - 1 have read it
           if (it > 0) mbar_wait(bar_do_empty, (it - 1) & 1);
           if (lane == 0) {
@@ -475,6 +481,9 @@ __global__ void __launch_bounds__(384, 1)
     }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
+    // The lane afresh: ptxas spilled the kernel's (live from before the split into roles) and
+    // reloaded it in the step loop.
+    const int lane = lane_id_volatile();
     // Consumer warpgroup: keys 64 cw .. 64 cw + 63 of the tile (kSplitCols: all 64 keys, the
     // step's queries 32 cw .. 32 cw + 31 in S^T and dP^T, dK and dV columns 128 cw .. 128 cw +
     // 127). Broadcast from lane 0 so that ptxas sees it warp-uniform and keeps the descriptors
@@ -928,6 +937,8 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // zeros cost under 1% (NOTES.md, eighteenth session).
   BwdParams q = p;
   q.dq_first_store = kCausal && !live_variant(p) && !p.deterministic && p.dq_ticket && p.s <= 2048;
+  q.t_pad = bwd_t_pad(p.t);  // the producer copies whole tiles of lse_log2 and delta
+  static_assert(128 % Cfg::kBlockM == 0, "bwd_t_pad pads to whole tiles");
   bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
   const BwdWorkspace w = bwd_workspace(p);
   if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
