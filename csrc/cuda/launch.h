@@ -130,9 +130,10 @@ inline BwdWorkspace bwd_workspace(const BwdParams& p) {
   return w;
 }
 
-// p.delta and p.lse_log2 (B, N, bwd_t_pad(T)) and p.dq_accum (B, T, N, bwd_width(H)) must point at fp32 device
-// workspace, and the fields of bwd_workspace(p) at workspaces of those sizes. (kHeadDim,
-// kHeadDimV) is (H, Hv) exactly (dispatch_bwd_head_dims). Every variant is supported.
+// p.delta and p.lse_log2 (B, N, bwd_t_pad(T)) and p.dq_accum (B, T, N, bwd_width(H)) must
+// point at fp32 device workspace, and the fields of bwd_workspace(p) at workspaces of those
+// sizes. (kHeadDim, kHeadDimV) is (H, Hv) exactly (dispatch_bwd_head_dims). Every variant is
+// supported.
 template <typename T, int kHeadDim, int kHeadDimV, bool kCausal>
 void run_bwd(const BwdParams& p, cudaStream_t stream);
 
