@@ -136,24 +136,63 @@ struct RowChunks {
   static constexpr int kLanes = kWidth <= 64 ? 8 : kWidth <= 128 ? 16 : 32;
   static constexpr int kThreads = 256;
   static_assert(kLanes * 8 >= kWidth, "a lane per chunk");
-  static int64_t blocks(int64_t rows) { return (rows * kLanes + kThreads - 1) / kThreads; }
+  __host__ __device__ static int64_t blocks(int64_t rows) {
+    return (rows * kLanes + kThreads - 1) / kThreads;
+  }
 };
 
 // A dQ ticket's bit once the query tile's first contribution is stored in dq_accum
 // (sm90/flash_bwd_sm90.cuh, kFirstStore).
 constexpr int kDqTicketDone = 1 << 30;
 
+// Programmatic dependent launch (the sm90 backward's kernels after its first; no-ops before
+// sm90 and in kernels launched the usual way). pdl_wait: until the grid the kernel was launched
+// after has completed, its writes visible. pdl_trigger: the stream's next kernel, if launched
+// as a dependent (bwd::launch_dependent), may start its CTAs on the SMs this grid leaves free
+// once each of its CTAs has triggered or exited.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// The sm90 backward's padded rows (BwdParams::t_pad), element idx of (B, N, t_pad) in address
+// order: lse_log2[b, n, t] = lse * log2(e), +inf where P = 0 (no visible key, t past T or the
+// query length: sm90/rules.cuh), and delta = 0 at t past T.
+__device__ __forceinline__ void lse_row(const BwdParams& p, int64_t idx) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  if (idx >= p.b * p.n * p.t_pad) return;
+  const int64_t bn = idx / p.t_pad, t = idx % p.t_pad, b = bn / p.n;
+  const int64_t q_len = p.q_lengths ? max(int64_t{0}, min(int64_t{p.q_lengths[b]}, p.t)) : p.t;
+  const float lse = t < q_len ? p.lse[bn * p.t + t] : -INFINITY;
+  p.lse_log2[idx] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+  if (t >= p.t) p.delta[idx] = 0.f;
+}
+
 // delta[b, n, t] = sum_d dout[b, t, n, d] * o[b, t, n, d] - dlse[b, n, t] (Hv columns), with
 // the forward's fp32 o (p.o_f32) when given, else the stored one;
 // dq_accum[b, t, n, :H] = 0 (rows bwd_width(H) wide; the padding is never read), or with
 // p.dq_first_store the dQ tickets = 0 instead. With p.t_pad (the sm90 backward) delta's rows
-// are t_pad long (lse_rows_kernel writes the rest).
+// are t_pad long, and the blocks past the rows' (RowChunks::blocks) write the padded rows
+// (lse_row) in one launch with them.
 template <typename T, int kHeadDim, int kHeadDimV>
 __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
     preprocess_kernel(const BwdParams p) {
+  using Rows = RowChunks<Tiles<kHeadDim>::kWidth>;
   constexpr int kWidth = Tiles<kHeadDim>::kWidth;
-  constexpr int kLanes = RowChunks<kWidth>::kLanes;
+  constexpr int kLanes = Rows::kLanes;
+  pdl_trigger();
   const int64_t rows = p.b * p.t * p.n;
+  const int64_t row_blocks = Rows::blocks(rows);
+  if (blockIdx.x >= row_blocks) {
+    lse_row(p, (blockIdx.x - row_blocks) * Rows::kThreads + threadIdx.x);
+    return;
+  }
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = idx / kLanes;  // (b * T + t) * N + n
   const int c = static_cast<int>(idx % kLanes);
@@ -202,20 +241,6 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
     p.delta[(b * p.n + n) * (p.t_pad ? p.t_pad : p.t) + t] = acc - p.dlse[(b * p.n + n) * p.t + t];
 }
 
-// The sm90 backward's padded rows (BwdParams::t_pad), in address order: lse_log2[b, n, t] =
-// lse * log2(e), +inf where P = 0 (no visible key, t past T or the query length: sm90/rules.cuh),
-// and delta = 0 at t past T.
-static __global__ void __launch_bounds__(256) lse_rows_kernel(const BwdParams p) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= p.b * p.n * p.t_pad) return;
-  const int64_t bn = idx / p.t_pad, t = idx % p.t_pad, b = bn / p.n;
-  const int64_t q_len = p.q_lengths ? max(int64_t{0}, min(int64_t{p.q_lengths[b]}, p.t)) : p.t;
-  const float lse = t < q_len ? p.lse[bn * p.t + t] : -INFINITY;
-  p.lse_log2[idx] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-  if (t >= p.t) p.delta[idx] = 0.f;
-}
-
 // dq[b, t, n] = scale * dq_accum[b, t, n, :H], cast to T (or kept in fp32: grads_f32).
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
@@ -225,6 +250,7 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = idx / kLanes;
   const int c = static_cast<int>(idx % kLanes);
+  pdl_wait();
   if (row >= p.b * p.t * p.n || c >= kHeadDim / 8) return;
   const int64_t n = row % p.n, t = (row / p.n) % p.t, b = row / (p.n * p.t);
   const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * kWidth + c * 8);
@@ -1284,24 +1310,48 @@ void launch_main(Kernel kernel, const BwdParams& p, int64_t ctas, int threads, i
   kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(p);
 }
 
-// The passes before and after the main kernel (also the sm90 backward's):
-// delta and dq_accum = 0, then dq from dq_accum.
+// kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent of the stream's
+// kernel before it (pdl_wait, pdl_trigger): its CTAs may start, and run up to their pdl_wait,
+// while that kernel's last CTAs run.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), int64_t grid, int block, int smem,
+                             cudaStream_t stream, const Args&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(static_cast<unsigned>(block));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+// The passes before and after the main kernel (also the sm90 backward's): delta and
+// dq_accum = 0 (with p.t_pad the padded lse and delta rows too), then dq from dq_accum, the
+// latter as a dependent launch (`dependent`: the sm90 backward, right after its main kernel).
 template <typename T, int kHeadDim, int kHeadDimV>
 void launch_preprocess(const BwdParams& p, cudaStream_t stream) {
   using Rows = RowChunks<Tiles<kHeadDim>::kWidth>;
   const int64_t rows = p.b * p.t * p.n;  // (b, t, n) rows of q, o, dq
+  const int64_t lse_rows = p.t_pad ? p.b * p.n * p.t_pad : 0;
+  const int64_t lse_blocks = (lse_rows + Rows::kThreads - 1) / Rows::kThreads;
   if (rows > 0)
     preprocess_kernel<T, kHeadDim, kHeadDimV>
-        <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
-  if (rows > 0 && p.t_pad)
-    lse_rows_kernel<<<static_cast<unsigned>((p.b * p.n * p.t_pad + 255) / 256), 256, 0, stream>>>(p);
+        <<<static_cast<unsigned>(Rows::blocks(rows) + lse_blocks), Rows::kThreads, 0, stream>>>(p);
 }
 
 template <typename T, int kHeadDim>
-void launch_convert_dq(const BwdParams& p, cudaStream_t stream) {
+void launch_convert_dq(const BwdParams& p, cudaStream_t stream, bool dependent = false) {
   using Rows = RowChunks<Tiles<kHeadDim>::kWidth>;
   const int64_t rows = p.b * p.t * p.n;
-  if (rows > 0)
+  if (rows == 0) return;
+  if (dependent)
+    launch_dependent(convert_dq_kernel<T, kHeadDim>, Rows::blocks(rows), Rows::kThreads, 0, stream,
+                     p);
+  else
     convert_dq_kernel<T, kHeadDim>
         <<<static_cast<unsigned>(Rows::blocks(rows)), Rows::kThreads, 0, stream>>>(p);
 }

@@ -169,6 +169,8 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int kDQRounds = Cfg::kDQRounds;
   static_assert(!(kSplitCols && kRules), "H = 256 runs the rules on sm80 (select.h)");
   constexpr uint32_t kRowBytes = Cfg::kRowBytes;
+  // The dq conversion after (a dependent launch) may take the SMs of the last wave's CTAs.
+  bwd::pdl_trigger();
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -301,6 +303,9 @@ __global__ void __launch_bounds__(384, 1)
                       L2Hint::kFirst);
         }
       }
+      // Launched as a dependent of the preprocess pass: K and V (inputs) load while it ends;
+      // its lse, delta rows (and dq_accum's zeros, for the writer) only after.
+      bwd::pdl_wait();
       StepWalk<Seg> walk(walk_start, n_cand, group);
       for (int it = 0; it < n_steps; ++it) {
         walk.next(seg, n_cand);
@@ -365,6 +370,7 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     } else if (warp == 1) {
+      bwd::pdl_wait();
       // dq_accum[b, m0 .., n, :] += sdQ by TMA (rows past T skipped); sdQ is released once
       // read, the adds complete in the L2 on their own (the CTA need not wait for them: the
       // last wait above is the read of its last tile, before its shared memory goes).
@@ -939,10 +945,13 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   q.dq_first_store = kCausal && !live_variant(p) && !p.deterministic && p.dq_ticket && p.s <= 2048;
   q.t_pad = bwd_t_pad(p.t);  // the producer copies whole tiles of lse_log2 and delta
   static_assert(128 % Cfg::kBlockM == 0, "bwd_t_pad pads to whole tiles");
-  bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
+  // The main kernel and the conversion after it are dependent launches, each directly after
+  // the kernel it waits for (the workspaces' setup goes first).
   const BwdWorkspace w = bwd_workspace(p);
   if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
+  bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
   const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
   // Deterministic attention whose key tiles all walk all query tiles (plain, or segment ids
   // alone) in rotated walks where a pair's CTAs fit twice over on the SMs: +5-20% at 1k-4k
@@ -951,7 +960,6 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   const bool full_walks = !p.is_causal && !p.q_lengths && !p.kv_lengths && p.window_left < 0 &&
                           p.window_right < 0 && !p.bottom_right;
   q.rotate_walk = !kCausal && p.deterministic && full_walks && 2 * key_tiles <= sm90::sm_count();
-  if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
   // H = 256 has no rules kernel (select.h sends its variants to sm80).
   constexpr bool kHasRules = !Cfg::kSplitCols;
   auto kernel = q.dq_first_store ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false, kCausal>
@@ -961,10 +969,10 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) == cudaSuccess)
-    kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        q, tma_q, tma_k, tma_v, tma_do, tma_dq, static_cast<int>(key_tiles),
-        bwd_section_pairs(q, key_tiles, kCausal));
-  bwd::launch_convert_dq<T, kHeadDim>(p, stream);
+    bwd::launch_dependent(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, q, tma_q, tma_k,
+                          tma_v, tma_do, tma_dq, static_cast<int>(key_tiles),
+                          bwd_section_pairs(q, key_tiles, kCausal));
+  bwd::launch_convert_dq<T, kHeadDim>(p, stream, /*dependent=*/true);
   return true;
 }
 
