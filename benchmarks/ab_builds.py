@@ -127,10 +127,16 @@ def main(argv=None):
     base_out = bench.attention_outputs(_jaxflash, q, k, v, dout, causal, backward)
     diffs = {}
     for n, attn in list(impls.items())[1:]:
-      with renamed(build_of[n]):
-        got = bench.attention_outputs(attn, q, k, v, dout, causal,
-                                      backward and n not in bench.FORWARD_ONLY)
-      diffs[n] = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, base_out)]
+      try:
+        with renamed(build_of[n]):
+          got = bench.attention_outputs(attn, q, k, v, dout, causal,
+                                        backward and n not in bench.FORWARD_ONLY)
+        diffs[n] = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, base_out)]
+      except Exception as e:  # a peer without this shape (FA3 past D = 128): a '-' column
+        if n in names:
+          raise
+        print(f"  {n}: {str(e).splitlines()[0][:160]}", flush=True)
+        del impls[n]
     del base_out, q, k, v, dout
     print(f"D={D} S={S} causal={causal}: max |x - base| (out, dq, dk, dv) " +
           "; ".join(f"{n} " + ", ".join(f"{d:.3g}" for d in ds) for n, ds in diffs.items()),
@@ -146,7 +152,7 @@ def main(argv=None):
                                    reps=args.reps) if backward else {}
       tf = lambda t, d: bench.flops(B, N, S, S, D, causal, d) / t / 1e12
       cells = [f"{tf(fwd[n], 'fwd'):.0f}/" + (f"{tf(bwd[n], 'bwd'):.0f}" if n in bwd else "-")
-               if n in fwd else "-" for n in list(impls)]
+               if n in fwd else "-" for n in names + list(others)]
       ratios = [f"{fwd['base'] / fwd[n]:.3f}/" + (f"{bwd['base'] / bwd[n]:.3f}" if n in bwd
                                                    else "-") for n in names[1:]]
       row = f"| {D} | {S} | {'y' if causal else 'n'} | " + " | ".join(cells + ratios) + " |"
