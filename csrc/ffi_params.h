@@ -316,11 +316,13 @@ inline ffi::Error make_bwd_params(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
     return invalid("dq, dk, dv must have q's dtype or be float32");
   if (dk.element_type() != grads || dv.element_type() != grads)
     return invalid("dq, dk, dv must share one dtype");
-  if (dlse.element_type() != ffi::DataType::F32 || dlse.element_count() != lse.element_count())
-    return invalid("dlse must be float32 with lse's shape");
+  // Empty where the caller's lse has no cotangent (zeros: nothing to write or read).
+  if (dlse.element_type() != ffi::DataType::F32 ||
+      (dlse.element_count() != lse.element_count() && dlse.element_count() != 0))
+    return invalid("dlse must be float32 with lse's shape, or empty (zeros)");
 
   p.dout = dout.untyped_data();
-  p.dlse = static_cast<const float*>(dlse.untyped_data());
+  p.dlse = dlse.element_count() ? static_cast<const float*>(dlse.untyped_data()) : nullptr;
   p.grads_f32 = grads != q.element_type();
   p.dq = dq.untyped_data();
   p.dk = dk.untyped_data();

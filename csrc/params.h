@@ -76,7 +76,7 @@ struct FwdParams {
 
 struct BwdParams : FwdParams {
   const void* dout;   // (B, T, N, Hv)
-  const float* dlse;  // (B, N, T): cotangent of lse (zeros when lse is not an output)
+  const float* dlse;  // (B, N, T): cotangent of lse, or null for zeros (lse not an output)
   void* dq;           // (B, T, N, H), q's dtype or float32 (grads_f32)
   void* dk;           // (B, S, K, H), likewise
   void* dv;           // (B, S, K, Hv), likewise

@@ -126,6 +126,7 @@ def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal
   when `variants` is given, also dbias (bias's shape, or None) and dalibi (alibi_slopes'
   shape, or None).
 
+  dlse: lse's cotangent, or None for zeros (an empty placeholder the kernels read as zeros).
   out_f32: fwd's out_f32 (keep_f32), or None; delta then comes from it instead of out.
   grads_f32: dq, dk, dv as the kernels accumulate them, not rounded to q's dtype (for a caller
   that sums them further, as ring attention does over its steps).
@@ -139,6 +140,8 @@ def bwd(q, k, v, out, lse, dout, dlse, variants=None, *, scale: float, is_causal
     _check_cuda_bwd(q, v)
   operands, attrs = _variant_inputs(q, variants, window, bottom_right, softcap, dropout_rate,
                                     deterministic, o_f32=out_f32 is not None)
+  if dlse is None:
+    dlse = jnp.zeros((0,), jnp.float32)  # empty: no cotangent (csrc/ffi_params.h)
   if out_f32 is None:
     out_f32 = jnp.zeros((0,), jnp.float32)  # dead placeholder (has_o_f32 False)
   bias, alibi = operands[0], operands[6]

@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jaxflash import _calls, _ffi, sharding
 from jaxflash.reference import (CAUSAL_ALIGNMENTS, attention_reference, dropout_seeds,
@@ -166,14 +167,15 @@ def _run_fwd(q, k, v, ops, cfg: _Config, keep_f32=False):
 
 def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config, out_f32=None, grads_f32=False):
   """dq, dk, dv, then dbias and dalibi for whichever of bias and alibi_slopes is live;
-  out_f32: the forward's (keep_f32), for the kernels' delta; grads_f32: dq, dk, dv in float32
-  (not rounded to q's dtype), for a caller that sums them further."""
+  dlse: lse's cotangent, or None for zeros (the kernels then read none); out_f32: the
+  forward's (keep_f32), for the kernels' delta; grads_f32: dq, dk, dv in float32 (not rounded
+  to q's dtype), for a caller that sums them further."""
   def reference_vjp(q, k, v, out, lse, dout, dlse, ops, out_f32=None):
     del out_f32  # the reference recomputes its softmax VJP from q, k, v
     def ref(q, k, v, bias, alibi):
       return _reference(q, k, v, {**ops, "bias": bias, "alibi_slopes": alibi}, cfg)
     _, vjp = jax.vjp(ref, q, k, v, ops["bias"], ops["alibi_slopes"])
-    dq, dk, dv, *rest = vjp((dout, dlse))
+    dq, dk, dv, *rest = vjp((dout, jnp.zeros_like(lse) if dlse is None else dlse))
     if grads_f32:
       dq, dk, dv = (g.astype(jnp.float32) for g in (dq, dk, dv))
     return (dq, dk, dv, *rest)
@@ -187,9 +189,12 @@ def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config, out_f32=None, gra
         platform=impl, deterministic=cfg.deterministic, check=cfg.pinned is not None,
         out_f32=out_f32, grads_f32=grads_f32, **cfg.options())
 
+  fixed = 6 if dlse is None else 7  # q .. dout, and dlse when given
+
   def local(*args):
     *arrays, ops = args
-    args = (*arrays[:7], ops, *arrays[7:])  # out_f32, when kept, last
+    dl = arrays[6] if fixed == 7 else None
+    args = (*arrays[:6], dl, ops, *arrays[fixed:])  # out_f32, when kept, last
     if cfg.pinned:
       grads = kernel(cfg.pinned)(*args)
     else:
@@ -197,7 +202,7 @@ def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config, out_f32=None, gra
                                          default=reference_vjp)
     return tuple(g for g in grads if g is not None)
 
-  arrays, in_axes = (q, k, v, out, lse, dout, dlse), _calls.BWD_AXES[0]
+  arrays, in_axes = (q, k, v, out, lse, dout, dlse)[:fixed], _calls.BWD_AXES[0][:fixed]
   if out_f32 is not None:
     arrays, in_axes = arrays + (out_f32,), in_axes + (_calls.O_F32_AXES,)
   grad_axes = _calls.BWD_AXES[1] + tuple(
@@ -215,6 +220,9 @@ def _flash(q, k, v, ops, cfg: _Config):
 
 
 def _flash_fwd(q, k, v, ops, cfg):
+  # symbolic_zeros (below) hands the rule its primals wrapped
+  q, k, v, ops = jax.tree.map(lambda x: x.value, (q, k, v, ops),
+                              is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
   out, lse, *out_f32 = _run_fwd(q, k, v, ops, cfg, keep_f32=_keeps_o_f32(ops, cfg))
   return (out, lse), (q, k, v, ops, out, lse, out_f32[0] if out_f32 else None)
 
@@ -222,15 +230,18 @@ def _flash_fwd(q, k, v, ops, cfg):
 def _flash_bwd(cfg, res, cts):
   q, k, v, ops, out, lse, out_f32 = res
   dout, dlse = cts
-  dq, dk, dv, dbias, dalibi = _run_bwd(q, k, v, ops, out, lse, dout.astype(out.dtype),
-                                       dlse.astype(jnp.float32), cfg, out_f32)
+  # lse unused by the caller (attention() without return_residual): no (B, N, T) zeros to
+  # write before each backward, the kernels take delta = rowsum(dO * O) alone.
+  dlse = None if isinstance(dlse, SymbolicZero) else dlse.astype(jnp.float32)
+  dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(out.dtype)
+  dq, dk, dv, dbias, dalibi = _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg, out_f32)
   # integer/bool operands and the dropout seeds get no cotangent
   d_ops = {name: None for name in ops}
   d_ops["bias"], d_ops["alibi_slopes"] = dbias, dalibi
   return dq, dk, dv, d_ops
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,

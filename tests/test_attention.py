@@ -42,6 +42,34 @@ def test_forward_and_grads(impl, dtype, is_causal, shape):
   assert_matches_reference(impl, q, k, v, dout, dlse, is_causal=is_causal)
 
 
+# Without return_residual lse gets no cotangent: the backward takes none (no zeros written)
+# and must give the gradients of <out, dout> alone.
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "x".join(map(str, s)))
+def test_grads_without_lse(impl, dtype, is_causal, shape):
+  B, T, S, N, K, H = shape
+  _supported(impl, dtype, H)
+  q, k, v = random_qkv(hash(shape) % 997, B, T, S, N, K, H, dtype)
+  dout = jax.random.normal(jax.random.PRNGKey(9), (B, T, N, H), jnp.float32).astype(dtype)
+  assert_matches_reference(impl, q, k, v, dout, None, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS[1:])
+def test_backward_writes_no_lse_cotangent(impl):
+  """The compiled backward of attention() without return_residual builds no (B, N, T) zeros
+  for lse's cotangent: the kernel call takes an empty one."""
+  q, k, v = random_qkv(12, 2, 48, 48, 4, 2, 64, jnp.bfloat16)
+  with on_device(impl):
+    _, vjp = jax.vjp(lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True,
+                                                        implementation=impl), q, k, v)
+    hlo = jax.jit(lambda vjp, g: vjp(g)).lower(vjp, jnp.ones_like(q)).compile().as_text()
+  assert "custom-call" in hlo
+  zeros = [l for l in hlo.splitlines() if "broadcast" in l and "f32[2,4,48]" in l]
+  assert not zeros, "lse's zero cotangent is materialised: " + zeros[0]
+
+
 # Row maxima that jump as the key tiles are visited (the sm90 forwards go from the last key
 # tile to the first and keep a lazy running max at H = 128): keys below 64 carry logits ~40x
 # the others', past any exp2 range (the max moves by hundreds of log2 units), keys below 320

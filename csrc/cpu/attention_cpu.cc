@@ -408,7 +408,7 @@ void bwd_typed(const BwdParams& p) {
         acc += (p.o_f32 ? p.o_f32[o_at + e] : to_float(o[e])) *
                to_float(dout[t * p.do_row_stride + d]);
       }
-      p.delta[bn * p.t + t] = acc - p.dlse[bn * p.t + t];
+      p.delta[bn * p.t + t] = acc - (p.dlse ? p.dlse[bn * p.t + t] : 0.f);
     }
   });
   std::fill(p.dq_accum, p.dq_accum + p.b * p.t * p.n * H, 0.f);

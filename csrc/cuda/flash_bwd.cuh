@@ -238,7 +238,8 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
 #pragma unroll
   for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (valid && c == 0)
-    p.delta[(b * p.n + n) * (p.t_pad ? p.t_pad : p.t) + t] = acc - p.dlse[(b * p.n + n) * p.t + t];
+    p.delta[(b * p.n + n) * (p.t_pad ? p.t_pad : p.t) + t] =
+        acc - (p.dlse ? p.dlse[(b * p.n + n) * p.t + t] : 0.f);
 }
 
 // dq[b, t, n] = scale * dq_accum[b, t, n, :H], cast to T (or kept in fp32: grads_f32).
