@@ -1,7 +1,8 @@
 // FlashAttention-3-style backward for Hopper (sm_90a): TMA loads, wgmma, warp specialization.
 // The passes around the main kernel are the sm80 backward's (../flash_bwd.cuh): delta and
 // dq_accum = 0 before (no zeros where the kernel stores each tile's first dQ: kFirstStore),
-// dq = scale * dq_accum after.
+// dq = scale * dq_accum after. The main kernel and the conversion are programmatic dependent
+// launches, each of the kernel before it (run_bwd_sm90).
 //
 // A CTA of 3 warpgroups is K/V-stationary: it owns kBlockN = 128 keys of one (batch b, kv head)
 // and loops over the query heads of its group and their (kBlockM, H) query tiles:
