@@ -21,6 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
                                                   custom_partitioning)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -354,7 +355,9 @@ def _ring_bwd_impl(rc: _Ring, res, cts):
   q, k, v, q_ids, kv_ids, out_f32, lse = res
   out = out_f32.astype(q.dtype)  # the primal output, which the block backward also takes
   dout, dlse = cts
-  dout, dlse = dout.astype(out.dtype), dlse.astype(jnp.float32)
+  # symbolic_zeros: lse unused by the caller (no return_residual) gives each step no dlse
+  dlse = None if isinstance(dlse, SymbolicZero) else dlse.astype(jnp.float32)
+  dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(out.dtype)
   size = jax.lax.axis_size(rc.axis_name)
   me = jax.lax.axis_index(rc.axis_name)
   f32 = lambda x: jnp.zeros_like(x, jnp.float32)
@@ -370,7 +373,8 @@ def _ring_bwd_impl(rc: _Ring, res, cts):
   def after(k, v, kv_ids):
     sel = lambda x, axis=1: _halves(x, axis)[1]
     dq, dk, dv = _block_bwd(rc, sel(q), k, v, sel(q_ids), kv_ids, sel(out), sel(lse, 2),
-                            sel(dout), sel(dlse, 2), sel(out_f32), False)
+                            sel(dout), None if dlse is None else sel(dlse, 2), sel(out_f32),
+                            False)
     return jnp.concatenate([f32(dq), dq], 1), dk, dv
 
   def skip(k, v, kv_ids):
@@ -396,11 +400,13 @@ def _ring(q, k, v, q_ids, kv_ids, rc: _Ring):
 
 
 def _ring_fwd(q, k, v, q_ids, kv_ids, rc):
+  q, k, v, q_ids, kv_ids = jax.tree.map(lambda x: x.value, (q, k, v, q_ids, kv_ids),
+                                        is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
   out_f32, lse = _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc)
   return (out_f32.astype(q.dtype), lse), (q, k, v, q_ids, kv_ids, out_f32, lse)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd_impl)
+_ring.defvjp(_ring_fwd, _ring_bwd_impl, symbolic_zeros=True)
 
 
 def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zigzag",

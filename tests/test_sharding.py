@@ -184,7 +184,8 @@ def _ring(mesh, layout, is_causal, batch_axis=None, segment_ids=False, **kw):
 
 def _ring_run(ring, q, k, v, do, num_shards, layout, dlse_scale, ids=()):
   """Runs ring attention on token-order host arrays; returns out, lse, grads in token order.
-  `ids`: token-order (q_ids, kv_ids) when the ring takes segment ids."""
+  `ids`: token-order (q_ids, kv_ids) when the ring takes segment ids. dlse_scale None: the loss
+  leaves lse out (its cotangent symbolic), the gradients those of scale 0."""
   if layout == "zigzag":
     perm = lambda x, axis=1: np.asarray(jaxflash.zigzag_permute(x, num_shards, axis))
     unperm = lambda x, axis=1: np.asarray(jaxflash.zigzag_unpermute(x, num_shards, axis))
@@ -196,7 +197,8 @@ def _ring_run(ring, q, k, v, do, num_shards, layout, dlse_scale, ids=()):
 
   def loss(q, k, v):
     out, lse = ring(q, k, v, *ids)
-    return jnp.sum(out.astype(jnp.float32) * do) + dlse_scale * jnp.sum(lse), (out, lse)
+    value = jnp.sum(out.astype(jnp.float32) * do)
+    return value + (0.0 if dlse_scale is None else dlse_scale * jnp.sum(lse)), (out, lse)
 
   grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
       perm(q), perm(k), perm(v))
@@ -221,7 +223,7 @@ def test_ring_contiguous_layout_and_batch_sharding():
   q, k, v, do = _inputs(20, 2, 32, 2, 2, 16)
   want = _ref_and_grads(q, k, v, do, 0.0, True)
   got = _ring_run(_ring(mesh, "contiguous", True, batch_axis="dp"), q, k, v, do, sp,
-                  "contiguous", 0.0)
+                  "contiguous", None)
   _check(got, want)
 
 
@@ -230,7 +232,7 @@ def test_ring_bfloat16_accuracy():
   mesh = _mesh((n,), ("sp",))
   q, k, v, do = _inputs(30, 1, 64, 4, 1, 32, jnp.bfloat16)
   want = _ref_and_grads(q, k, v, do, 0.0, True)
-  got = _ring_run(_ring(mesh, "zigzag", True), q, k, v, do, n, "zigzag", 0.0)
+  got = _ring_run(_ring(mesh, "zigzag", True), q, k, v, do, n, "zigzag", None)
   _check(got, want, jnp.bfloat16)
 
 
