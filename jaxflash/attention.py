@@ -219,21 +219,29 @@ def _flash(q, k, v, ops, cfg: _Config):
   return _run_fwd(q, k, v, ops, cfg)
 
 
+def _primal_values(tree):
+  """The primals of a custom_vjp fwd rule under symbolic_zeros, which hands them wrapped."""
+  return jax.tree.map(lambda x: x.value, tree, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+
+
+def _out_cotangents(cts, out):
+  """(dout in out's dtype, dlse in float32 or None) from the (out, lse) cotangents under
+  symbolic_zeros: lse unused by the caller (no return_residual) gives None, so that no (B, N, T)
+  zeros are written before each backward and the kernels take delta = rowsum(dO * O) alone."""
+  dout, dlse = cts
+  dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(out.dtype)
+  return dout, None if isinstance(dlse, SymbolicZero) else dlse.astype(jnp.float32)
+
+
 def _flash_fwd(q, k, v, ops, cfg):
-  # symbolic_zeros (below) hands the rule its primals wrapped
-  q, k, v, ops = jax.tree.map(lambda x: x.value, (q, k, v, ops),
-                              is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+  q, k, v, ops = _primal_values((q, k, v, ops))
   out, lse, *out_f32 = _run_fwd(q, k, v, ops, cfg, keep_f32=_keeps_o_f32(ops, cfg))
   return (out, lse), (q, k, v, ops, out, lse, out_f32[0] if out_f32 else None)
 
 
 def _flash_bwd(cfg, res, cts):
   q, k, v, ops, out, lse, out_f32 = res
-  dout, dlse = cts
-  # lse unused by the caller (attention() without return_residual): no (B, N, T) zeros to
-  # write before each backward, the kernels take delta = rowsum(dO * O) alone.
-  dlse = None if isinstance(dlse, SymbolicZero) else dlse.astype(jnp.float32)
-  dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(out.dtype)
+  dout, dlse = _out_cotangents(cts, out)
   dq, dk, dv, dbias, dalibi = _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg, out_f32)
   # integer/bool operands and the dropout seeds get no cotangent
   d_ops = {name: None for name in ops}

@@ -21,7 +21,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
                                                   custom_partitioning)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -354,10 +353,7 @@ def _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc: _Ring):
 def _ring_bwd_impl(rc: _Ring, res, cts):
   q, k, v, q_ids, kv_ids, out_f32, lse = res
   out = out_f32.astype(q.dtype)  # the primal output, which the block backward also takes
-  dout, dlse = cts
-  # symbolic_zeros: lse unused by the caller (no return_residual) gives each step no dlse
-  dlse = None if isinstance(dlse, SymbolicZero) else dlse.astype(jnp.float32)
-  dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(out.dtype)
+  dout, dlse = _attention_module()._out_cotangents(cts, out)  # dlse None: no step reads one
   size = jax.lax.axis_size(rc.axis_name)
   me = jax.lax.axis_index(rc.axis_name)
   f32 = lambda x: jnp.zeros_like(x, jnp.float32)
@@ -400,8 +396,7 @@ def _ring(q, k, v, q_ids, kv_ids, rc: _Ring):
 
 
 def _ring_fwd(q, k, v, q_ids, kv_ids, rc):
-  q, k, v, q_ids, kv_ids = jax.tree.map(lambda x: x.value, (q, k, v, q_ids, kv_ids),
-                                        is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+  q, k, v, q_ids, kv_ids = _attention_module()._primal_values((q, k, v, q_ids, kv_ids))
   out_f32, lse = _ring_fwd_impl(q, k, v, q_ids, kv_ids, rc)
   return (out_f32.astype(q.dtype), lse), (q, k, v, q_ids, kv_ids, out_f32, lse)
 
