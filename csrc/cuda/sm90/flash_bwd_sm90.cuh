@@ -144,7 +144,7 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
-  static constexpr uint32_t kOffInfo = kOffBar + (5 + 2 * kStages) * 8;  // int [kStages]
+  static constexpr uint32_t kOffInfo = kOffBar + (7 + 2 * kStages) * 8;  // int [kStages]
   static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;  // 8-aligned: Seg holds int2
   using Seg = BwdSegShared<kBlockM, kStages>;
   // (H = 256 has no rules kernel, so no segment-id tables.)
@@ -193,6 +193,7 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_dq_empty = bar_dq_full + 8;         // the writer has read sdQ
   const uint32_t bar_do_full = bar_dq_empty + 8;         // kSplitCols: sdO holds a step's dO
   const uint32_t bar_do_empty = bar_do_full + 8;         // kSplitCols: both dVs read it
+  const uint32_t bar_ds = bar_do_empty + 8;  // kDSBar: ds[buf] at + 8 buf, sdS buffer buf full
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // blockIdx.x enumerates sections of sec_pairs (b, kv head) pairs, and in each (key tile,
@@ -252,6 +253,8 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(bar_do_full, 1);
       mbar_init(bar_do_empty, 256);
     }
+    mbar_init(bar_ds, 8);  // every consumer warp's lane 0
+    mbar_init(bar_ds + 8, 8);
     mbar_fence_init();
   }
   if (seg) {
@@ -692,8 +695,8 @@ __global__ void __launch_bounds__(384, 1)
 
       // dS^T into shared buffer it % 2, rows = keys (kDQT: dS, (kBlockN / 64 column blocks of
       // keys, kBlockM, 64); kSplitCols: P too, in sP). The other warpgroup last read this buffer
-      // in its dQ (dV, dK) of step it - 2, which it waited for before the barrier of step
-      // it - 1: one barrier per step suffices.
+      // in its dQ (dV, dK) of step it - 2, which it waited for before its arrival at the
+      // barrier (or on ds[buf ^ 1]) of step it - 1: one exchange per step suffices.
       const uint32_t ds_buf = (it % 2) * Cfg::kDSBytes;
       const uint32_t sdS_b = sdS + ds_buf;
       if constexpr (kDQT) {
@@ -722,7 +725,18 @@ __global__ void __launch_bounds__(384, 1)
           }
       }
       fence_proxy_async();
-      named_barrier_sync(1, 256);
+      // H = 128 (kDSBar): each warpgroup arrives on ds[buf] and waits for the other only right
+      // before its dQ, after issuing dK's first k16 step, which needs its own dS^T alone; with
+      // the barrier the wait left the tensor cores without work from either warpgroup. +2-4%
+      // at 4k-16k causal, 0-3% plain; at H = 64 (8 k16 steps of dK) it measured -1 to -2% at
+      // 16k plain (NOTES.md, thirty-second session).
+      constexpr bool kDSBar = !kSplitCols && kHeadDim == 128;
+      if constexpr (kDSBar) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_ds + 8 * (it % 2));
+      } else {
+        named_barrier_sync(1, 256);
+      }
 
       // dQ = dS K: (64, 64) per warpgroup, K = kBlockN keys in k16 steps of 16 rows; A = dS^T's
       // column block dq_row0 / 64 read MN-major (M = queries contiguous), B = K's column block
@@ -822,13 +836,24 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(acc_dk);
         mbar_arrive(bar_empty + 8 * s);
       } else {
-        issue_dq(acc_dq, 0);
+        // dK += dS^T Q over k16 steps k0 .. k1 - 1. Its first step goes before the wait for the
+        // other warpgroup's dS^T (kDSBar), the rest after dQ so that dQ's stores overlap them
+        // (none, 2 or all 4 of its steps before the wait measured below 1).
+        auto issue_dk = [&](int k0, int k1) {
 #pragma unroll
-        for (int kk = 0; kk < kKM; ++kk)
-          Wgmma<kWgCols>::template rs<T>(
-              acc_dk, rdS[kk], desc_at(d_q_mn, stage + kk * 16 * kRowBytes), 1);
-        wgmma_commit();
-        wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
+          for (int kk = k0; kk < k1; ++kk)
+            Wgmma<kWgCols>::template rs<T>(
+                acc_dk, rdS[kk], desc_at(d_q_mn, stage + kk * 16 * kRowBytes), 1);
+          wgmma_commit();
+        };
+        constexpr int kDKEarly = kDSBar ? 1 : 0;
+        if constexpr (kDSBar) {
+          issue_dk(0, kDKEarly);
+          mbar_wait(bar_ds + 8 * (it % 2), (it / 2) & 1);
+        }
+        issue_dq(acc_dq, 0);
+        issue_dk(kDKEarly, kKM);
+        wgmma_wait<1>();  // dV, dK's first steps and dQ (groups retire in order)
         fence_regs(acc_dq);
         fence_regs(acc_dv);
         store_dq(acc_dq, it);
