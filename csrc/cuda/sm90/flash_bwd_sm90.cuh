@@ -728,8 +728,8 @@ __global__ void __launch_bounds__(384, 1)
       // H = 128 (kDSBar): each warpgroup arrives on ds[buf] and waits for the other only right
       // before its dQ, after issuing dK's first k16 step, which needs its own dS^T alone; with
       // the barrier the wait left the tensor cores without work from either warpgroup. +2-4%
-      // at 4k-16k causal, 0-3% plain; at H = 64 (8 k16 steps of dK) it measured -1 to -2% at
-      // 16k plain (NOTES.md, thirty-second session).
+      // at 4k causal, +3-5% at 16k causal, 0-5% at 16k plain; at H = 64 (8 k16 steps of dK) it
+      // measured -1 to -2% at 16k plain (NOTES.md, thirty-second session).
       constexpr bool kDSBar = !kSplitCols && kHeadDim == 128;
       if constexpr (kDSBar) {
         __syncwarp();
