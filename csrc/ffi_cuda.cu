@@ -108,7 +108,8 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   if (p.b == 0 || p.t == 0 || p.n == 0) return ffi::Error::Success();
   if (auto e = add_mask_tiles(scratch, stream, p); e.failure()) return e;
   bool allocated = true;
-  p.tile_counter = static_cast<int*>(scratch_bytes(scratch, sizeof(int), allocated));
+  p.tile_counter = static_cast<unsigned long long*>(
+      scratch_bytes(scratch, sizeof(unsigned long long), allocated));
   if (!allocated)
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "jaxflash: could not allocate the forward's tile counter");

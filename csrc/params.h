@@ -60,9 +60,9 @@ struct FwdParams {
   uint32_t dropout_threshold = 0;
   // CUDA workspace: the mask's tile summary (cuda/launch.h MaskTiles); null without a mask.
   const uint8_t* mask_tiles = nullptr;
-  // CUDA workspace: one int, the next-tile counter of the persistent causal sm90 forward
-  // (which zeroes it before its launch).
-  int* tile_counter = nullptr;
+  // CUDA workspace: the next-tile counter of the persistent causal sm90 forward (claim_tile:
+  // nothing zeroes it).
+  unsigned long long* tile_counter = nullptr;
 
   // Optional (B, T, N, Hv) fp32 copy of O with o's strides: acc / l before the rounding to
   // q's dtype. The forward writes it when set (CUDA: the sm80 variant kernel); the backward,

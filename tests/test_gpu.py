@@ -61,19 +61,25 @@ def test_key_tensor_over_2pow31_elements():
   assert_accurate("out", out, ref, lo, jnp.bfloat16)
 
 
-def test_persistent_causal_forward():
-  """The sm90 causal forward at H = 64 on at most 8 query tiles runs persistent, its CTAs taking
-  tiles from a counter (flash_fwd_sm90.cuh kDynamic): here 1280 tiles of unequal lengths over
-  one CTA per SM, the last query tile ragged, GQA. Every row of every head is checked."""
-  B, T, N, K, H = 4, 1000, 40, 8, 64
-  q, k, v = _rand(6, (B, T, N, H)), _rand(7, (B, T, K, H)), _rand(8, (B, T, K, H))
-  out, lse = jax.jit(lambda q, k, v: jaxflash.attention(
-      q, k, v, is_causal=True, implementation="cuda", return_residual=True))(q, k, v)
+@pytest.mark.parametrize("shape", [(4, 1000, 40, 8, 64), (2, 2048, 8, 8, 128)])
+def test_persistent_causal_forward(shape):
+  """The sm90 causal forward at H = 64 on at most 8 query tiles, and at H = 128 up to 4k, runs
+  persistent, its CTAs taking tiles from a counter that no pass zeroes (hopper.cuh claim_tile):
+  here 1280 (256) tiles of unequal lengths over one CTA per SM, the last query tile ragged,
+  GQA. One executable runs three times on fresh inputs (each launch must take the counter
+  over from the one before); every row of every head is checked."""
+  B, T, N, K, H = shape
+  fwd = jax.jit(lambda q, k, v: jaxflash.attention(
+      q, k, v, is_causal=True, implementation="cuda", return_residual=True))
   f32 = lambda x: x.astype(jnp.float32)
   ref = jax.jit(lambda *a: jaxflash.attention_reference(*a, is_causal=True))
-  (ref_out, ref_lse), (lo_out, lo_lse) = ref(f32(q), f32(k), f32(v)), ref(q, k, v)
-  assert_accurate("out", out, ref_out, lo_out, jnp.bfloat16)
-  assert_accurate("lse", lse, ref_lse, lo_lse, jnp.bfloat16)
+  for seed in (6, 9, 12):
+    q = _rand(seed, (B, T, N, H))
+    k, v = _rand(seed + 1, (B, T, K, H)), _rand(seed + 2, (B, T, K, H))
+    out, lse = fwd(q, k, v)
+    (ref_out, ref_lse), (lo_out, lo_lse) = ref(f32(q), f32(k), f32(v)), ref(q, k, v)
+    assert_accurate(f"out (seed {seed})", out, ref_out, lo_out, jnp.bfloat16)
+    assert_accurate(f"lse (seed {seed})", lse, ref_lse, lo_lse, jnp.bfloat16)
 
 
 def _grads_against_reference(shape, is_causal, deterministic=False, seeds=(0, 1), **rules):

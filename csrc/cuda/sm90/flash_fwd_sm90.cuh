@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
            t = kDynamic ? t_next : kPersistent ? t + gridDim.x : n_tiles, ++k,
                kv_base += n_blocks) {
         // The tile after this one: the counter's answer arrives while the wait below runs.
-        if constexpr (kDynamic) t_next = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
+        if constexpr (kDynamic) t_next = static_cast<int>(gridDim.x) + claim_tile(p.tile_counter);
         if (k > 0) set_tile(t);
         // Step it loads K of tile it, then V of tile it - 1: the consumers issue S of tile it
         // with P V of tile it - 1. A K stage is free once both S GEMMs read it, long before
@@ -847,9 +847,7 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t n_tiles = num_m_blocks * p.n * p.b;  // < 2^31 for anything that fits in memory
   if (n_tiles == 0) return true;
   const int64_t grid = kPersistent ? std::min<int64_t>(n_tiles, sm_count()) : n_tiles;
-  if (Cfg::kDynamic && (p.tile_counter == nullptr ||
-                        cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream) != cudaSuccess))
-    return false;
+  if (Cfg::kDynamic && p.tile_counter == nullptr) return false;
   auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow, kWGs>;
   // kDynamic's sections: the query heads whose K and V fill 32 MB of the L2 (the heads of a
   // GQA group share theirs), 16 MB where a head has at most 8 query tiles. Measured against
