@@ -77,6 +77,8 @@ def sweep(dims, seqlens, causals, tokens, hidden, names, backward) -> list[dict]
       row["fwd_ms"], row["bwd_ms"], row["config"] = t_fwd * 1e3, (t_bwd or 0) * 1e3, config
       if backward and name not in FORWARD_ONLY and t_bwd is None:
         row["error"] = "backward not timed: " + "; ".join(errors)
+    # each point's row as soon as it is measured: a sweep cut short by a timeout keeps them
+    print("\n" + table(rows[-len(impls):]).splitlines()[-1], flush=True)
   return rows
 
 
