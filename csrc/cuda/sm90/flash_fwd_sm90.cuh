@@ -174,7 +174,8 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
   // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], (kStageO) sO,
   // then mbarriers q[kColBlocks], full_k[kStages], full_v[kStages], empty_k[kStages],
-  // empty_v[kStages], q_empty, the next tile (kDynamic), then (kRules) the SegShared.
+  // empty_v[kStages], q_empty, (kDynamic) tile[2] and the tiles' ids, then (kRules) the
+  // SegShared.
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
@@ -183,9 +184,9 @@ struct FwdCfgSm90 {
   // in an sO of its own when persistent (sQ may hold the next tile's Q by then).
   static constexpr bool kStageO = kPersistent;
   static constexpr uint32_t kOffBar = kOffO + (kStageO ? kQBytes : 0);
-  static constexpr int kNumBars = kColBlocks + 1 + 4 * kStages;
-  static constexpr uint32_t kOffNext = kOffBar + kNumBars * 8;  // int next_tile (kDynamic)
-  static constexpr uint32_t kOffSeg = (kOffNext + 4 + 15) / 16 * 16;
+  static constexpr int kNumBars = kColBlocks + 1 + 4 * kStages + (kDynamic ? 2 : 0);
+  static constexpr uint32_t kOffTile = kOffBar + kNumBars * 8;  // int tile_id[2] (kDynamic)
+  static constexpr uint32_t kOffSeg = (kOffTile + 8 + 15) / 16 * 16;
   using Seg = SegShared<kBlockN, kStages>;
   static constexpr int kSmemBytes =
       kOffSeg + (kRules ? sizeof(Seg) : 0) + 1024;  // + slack to align the base
@@ -227,8 +228,10 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
   const uint32_t bar_empty_k = bar_v + 8 * kStages;      // empty_k[stage]
   const uint32_t bar_empty_v = bar_empty_k + 8 * kStages;  // empty_v[stage]
   const uint32_t bar_q_empty = bar_empty_v + 8 * kStages;  // every consumer's S GEMMs read sQ
-  // kDynamic: the tile after the one whose Q is loading, published with that Q (bar_q)
-  int& next_tile = *reinterpret_cast<int*>(smem + Cfg::kOffNext);
+  // kDynamic: the CTA's tile k (k > 0; n_tiles or more when there is none) in tile_id[k % 2],
+  // published by an arrival on tile[k % 2] (bar_tile + 8 (k % 2))
+  const uint32_t bar_tile = bar_q_empty + 8;
+  int* tile_id = reinterpret_cast<int*>(smem + Cfg::kOffTile);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
@@ -295,8 +298,12 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       mbar_init(bar_empty_v + 8 * s, Cfg::kConsumerWarps);
     }
     // lane 0 of each consumer warp; under kDynamic every consumer thread, each releasing its
-    // own read of next_tile before the producer rewrites it
+    // own read of tile_id before the producer rewrites it
     mbar_init(bar_q_empty, kDynamic ? Cfg::kConsumerThreads : Cfg::kConsumerWarps);
+    if constexpr (kDynamic) {
+      mbar_init(bar_tile, 1);
+      mbar_init(bar_tile + 8, 1);
+    }
     mbar_fence_init();
     tma_prefetch_desc(&tma_q);
     tma_prefetch_desc(&tma_k);
@@ -361,8 +368,6 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       for (int t = blockIdx.x, k = 0, kv_base = 0, t_next = 0; t < n_tiles;
            t = kDynamic ? t_next : kPersistent ? t + gridDim.x : n_tiles, ++k,
                kv_base += n_blocks) {
-        // The tile after this one: the counter's answer arrives while the wait below runs.
-        if constexpr (kDynamic) t_next = static_cast<int>(gridDim.x) + claim_tile(p.tile_counter);
         if (k > 0) set_tile(t);
         // Step it loads K of tile it, then V of tile it - 1: the consumers issue S of tile it
         // with P V of tile it - 1. A K stage is free once both S GEMMs read it, long before
@@ -397,16 +402,29 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         // by the last S GEMMs of the tile before.
         int j_prev = n_blocks > 0 ? load_k(0) : 0;
         if (k > 0) mbar_wait(bar_q_empty, (k - 1) & 1);  // every consumer's last S of tile k - 1
-        // published by the arrival on bar_q in load_q (the consumers read it once per tile,
-        // right after their wait on bar_q, long before they release sQ and this is rewritten)
-        if constexpr (kDynamic) next_tile = t_next;
         if (!segs && lane == 0) load_q();  // with segment ids it is on its way already
+        // kDynamic: the CTA's next tile is claimed after this tile's last K load (or its first
+        // V), about two steps before the consumers finish the tile, and published once its V
+        // loads are out in tile_id[(k + 1) % 2], whose last reader (tile k - 1's consumers)
+        // released sQ above. Claimed at the tile's start, as before, an SM's next tile was
+        // fixed a whole tile early, and the sections' last tiles went to SMs still busy:
+        // +2.5-3.4% at D=128 1k causal, +2-4% at 2k-4k, level at 16k, D=64 1k 1% slower and
+        // 2k-16k level (NOTES.md, thirty-fourth session). Every causal tile has a key tile
+        // (S > 0), so every tile claims once.
+        const int claim_at = max(n_blocks - 1, 1);
+        unsigned long long claim = 0;  // its round trip runs while the Vs below wait
         for (int it = 1; it <= n_blocks; ++it) {
           const int j = it < n_blocks ? load_k(it) : 0;
+          if (kDynamic && it == claim_at) claim = claim_add(p.tile_counter);
           const int q = kv_base + it - 1, s = q % kStages;
           if (q >= kStages) mbar_wait(bar_empty_v + 8 * s, (q / kStages - 1) & 1);
           if (lane == 0) load_tile(&tma_v, sV, bar_v, s, j_prev);
           j_prev = j;
+        }
+        if constexpr (kDynamic) {
+          t_next = static_cast<int>(gridDim.x) + claim_tile(p.tile_counter, claim);
+          tile_id[(k + 1) % 2] = t_next;
+          mbar_arrive(bar_tile + 8 * ((k + 1) % 2));
         }
       }
     }
@@ -431,9 +449,14 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     const uint64_t d_q = sw128_desc(sQ + 64 * cw * kRowBytes, 16, 1024);
     const uint64_t d_k = sw128_desc(sK, 16, 1024);
     const uint64_t d_v = sw128_desc(sV, kBlockN * kRowBytes, 1024);
-    for (int t = blockIdx.x, k = 0, kv_base = 0, t_next = 0; t < n_tiles;
-         t = kDynamic ? t_next : kPersistent ? t + gridDim.x : n_tiles, ++k,
-             kv_base += n_blocks) {
+    int k = 0;
+    for (int t = blockIdx.x, kv_base = 0; t < n_tiles;
+         t = kDynamic ? t : kPersistent ? t + gridDim.x : n_tiles, ++k, kv_base += n_blocks) {
+      if (kDynamic && k > 0) {  // tile k, if any (published while tile k - 1 ran)
+        mbar_wait(bar_tile + 8 * (k % 2), ((k - 1) / 2) & 1);
+        t = tile_id[k % 2];
+        if (t >= n_tiles) break;
+      }
       if (k > 0) set_tile(t);
       float acc_o[kNO];  // (64, H) fp32 per warpgroup
 #pragma unroll
@@ -461,7 +484,6 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       }
 
       mbar_wait(bar_q, k & 1);
-      if constexpr (kDynamic) t_next = next_tile;
 
       // The steps of one key tile it (ring stage it % kStages): tile j = j_lo + n_blocks - 1 - it,
       // in the rules kernel the stage's seg.tile.
@@ -701,9 +723,10 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // warpgroup. Warpgroup 0 goes first: the last one opens its barrier for the CTA's first
       // tile; its last arrival of a tile opens warpgroup 0's first round of the next (which
       // then overlaps the last one's epilogue), and is skipped after the CTA's last tile, where
-      // nobody would wait for it. (Barriers 1 + cw are the epilogues'.)
-      const bool last_tile = kDynamic ? t_next >= n_tiles
-                             : !kPersistent || t + static_cast<int>(gridDim.x) >= n_tiles;
+      // nobody would wait for it (kDynamic, whose consumers learn of the last tile only after
+      // it: warpgroup 0 takes it after the loop). (Barriers 1 + cw are the epilogues'.)
+      const bool last_tile =
+          !kDynamic && (!kPersistent || t + static_cast<int>(gridDim.x) >= n_tiles);
       int rounds_left = n_blocks + 1;
       auto turn_begin = [&] { named_barrier_sync(4 + cw, 256); };
       auto turn_end = [&] {
@@ -821,6 +844,8 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         bulk_commit();
       }
     }
+    // kDynamic: the ring's arrival after the last tile (every causal tile has n_blocks > 0).
+    if (kDynamic && cw == 0 && k > 0) named_barrier_sync(4, 256);
     // Shared memory must outlive the reads of the last stores.
     if (o_leader) bulk_wait_read();
   }

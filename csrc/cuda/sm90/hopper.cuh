@@ -280,11 +280,15 @@ __device__ __forceinline__ int2 section_tile(unsigned t, unsigned sec, unsigned 
 // word of another launch (or uninitialised scratch) is taken over at 0. Without the memset
 // node that zeroed an int before each launch, one-sequence causal forwards measured 0-10%
 // faster (T = 256 to 4k), batches of 16k tokens level (NOTES.md, thirty-third session).
-__device__ __forceinline__ int claim_tile(unsigned long long* ctr) {
+// In two halves, so that the add's round trip overlaps other work: claim_add issues it,
+// claim_tile(ctr, claim_add(ctr)) gives the claim.
+__device__ __forceinline__ unsigned long long claim_add(unsigned long long* ctr) {
+  return atomicAdd(ctr, 1ull);
+}
+__device__ __forceinline__ int claim_tile(unsigned long long* ctr, unsigned long long old) {
   unsigned long long gid;
   asm volatile("mov.u64 %0, %%gridid;" : "=l"(gid));
   const unsigned long long tag = gid << 32, kHi = 0xffffffff00000000ull;
-  unsigned long long old = atomicAdd(ctr, 1ull);
   while ((old & kHi) != tag) {  // another launch's word (we added to it): ours from 0
     const unsigned long long seen = atomicCAS(ctr, old + 1, tag + 1);
     if (seen == old + 1) return 0;
