@@ -406,11 +406,11 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         // kDynamic: the CTA's next tile is claimed after this tile's last K load (or its first
         // V), about two steps before the consumers finish the tile, and published once its V
         // loads are out in tile_id[(k + 1) % 2], whose last reader (tile k - 1's consumers)
-        // released sQ above. Claimed at the tile's start, as before, an SM's next tile was
-        // fixed a whole tile early, and the sections' last tiles went to SMs still busy:
-        // +2.5-3.4% at D=128 1k causal, +2-4% at 2k-4k, level at 16k, D=64 1k 1% slower and
-        // 2k-16k level (NOTES.md, thirty-fourth session). Every causal tile has a key tile
-        // (S > 0), so every tile claims once.
+        // released sQ above. Claimed at the tile's start, an SM's next tile was fixed a whole
+        // tile early, and the sections' last tiles went to SMs still busy: this is +2.4-3.4% at
+        // D=128 1k causal, +1.9-3.8% at 2k-4k, level at 16k, D=64 1k 1% slower and 2k-16k level
+        // (NOTES.md, thirty-fourth session). Every causal tile has a key tile (S > 0), so every
+        // tile claims once.
         const int claim_at = max(n_blocks - 1, 1);
         unsigned long long claim = 0;  // its round trip runs while the Vs below wait
         for (int it = 1; it <= n_blocks; ++it) {
