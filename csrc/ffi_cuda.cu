@@ -113,6 +113,10 @@ ffi::Error FwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   if (!allocated)
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "jaxflash: could not allocate the forward's tile counter");
+  // Without it the persistent forward runs its last round unsplit.
+  if (const int64_t split = cuda::fwd_split_bytes(p); split > 0)
+    if (void* ws = scratch_bytes(scratch, split, allocated))
+      cuda::fwd_split_bytes(p, &p.split_o, &p.split_ml, &p.split_cnt, ws);
   if (!cuda::dispatch_fwd(p, FwdLaunch{p, stream}))
     return invalid("no CUDA forward kernel compiled for this dtype and head dim");
   return cuda_error("forward kernel launch failed");

@@ -63,6 +63,13 @@ struct FwdParams {
   // CUDA workspace: the next-tile counter of the persistent causal sm90 forward (claim_tile:
   // nothing zeroes it).
   unsigned long long* tile_counter = nullptr;
+  // CUDA workspace of the persistent plain sm90 forward's split last round (FwdTail in
+  // sm90/flash_fwd_sm90.cuh; select.h fwd_split_bytes sizes it): each piece's partial O (fp32,
+  // in its accumulators' order) and (m, l) rows, and a counter per split tile and warpgroup
+  // (claim_tile: nothing zeroes them). Null: no split.
+  float* split_o = nullptr;
+  float* split_ml = nullptr;
+  unsigned long long* split_cnt = nullptr;
 
   // Optional (B, T, N, Hv) fp32 copy of O with o's strides: acc / l before the rounding to
   // q's dtype. The forward writes it when set (CUDA: the sm80 variant kernel); the backward,

@@ -82,6 +82,33 @@ def test_persistent_causal_forward(shape):
     assert_accurate(f"lse (seed {seed})", lse, ref_lse, lo_lse, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("shape", [(2, 1000, 4096, 10, 2, 128), (1, 1000, 4100, 10, 2, 128),
+                                   (2, 1000, 4500, 16, 4, 64), (4, 200, 4224, 24, 8, 64)])
+def test_split_last_round_forward(shape):
+  """The persistent plain sm90 forward splits its last round (flash_fwd_sm90.cuh FwdTail) into
+  runs of key tiles over the SMs; the last piece of a tile to finish merges the pieces. On 132
+  SMs: 160 tiles (28 split, runs of ~7 key tiles, ragged rows, GQA); 80 tiles (all split, no
+  whole round, ragged keys); at H = 64 192-row tiles of three warpgroups (60 split) and 128-row
+  tiles with 192-key tiles (60 split). Three launches of one executable on fresh inputs (each
+  takes the counters over from the one before), every row checked; a fourth gives the third's
+  bits (the merge's order does not depend on which piece is last)."""
+  B, T, S, N, K, H = shape
+  fwd = jax.jit(lambda q, k, v: jaxflash.attention(
+      q, k, v, implementation="cuda", return_residual=True))
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = jax.jit(jaxflash.attention_reference)
+  for seed in (3, 4, 5):
+    q = _rand(seed, (B, T, N, H))
+    k, v = _rand(seed + 1, (B, S, K, H)), _rand(seed + 2, (B, S, K, H))
+    out, lse = fwd(q, k, v)
+    (ref_out, ref_lse), (lo_out, lo_lse) = ref(f32(q), f32(k), f32(v)), ref(q, k, v)
+    assert_accurate(f"out (seed {seed})", out, ref_out, lo_out, jnp.bfloat16)
+    assert_accurate(f"lse (seed {seed})", lse, ref_lse, lo_lse, jnp.bfloat16)
+  out_again, lse_again = fwd(q, k, v)
+  assert (np.asarray(out).view(np.uint16) == np.asarray(out_again).view(np.uint16)).all()
+  assert (np.asarray(lse) == np.asarray(lse_again)).all()
+
+
 def _grads_against_reference(shape, is_causal, deterministic=False, seeds=(0, 1), **rules):
   """dq, dk, dv of implementation='cuda' for each seed's inputs, checked against the reference;
   returns the last seed's, and a function that computes them again. `rules`: more arguments

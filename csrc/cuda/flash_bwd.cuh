@@ -28,6 +28,7 @@
 #include "flash_fwd.cuh"
 #include "launch.h"
 #include "mma.cuh"
+#include "pdl.cuh"
 
 namespace jaxflash::cuda {
 namespace bwd {
@@ -144,22 +145,6 @@ struct RowChunks {
 // A dQ ticket's bit once the query tile's first contribution is stored in dq_accum
 // (sm90/flash_bwd_sm90.cuh, kFirstStore).
 constexpr int kDqTicketDone = 1 << 30;
-
-// Programmatic dependent launch (the sm90 backward's kernels after its first; no-ops before
-// sm90 and in kernels launched the usual way). pdl_wait: until the grid the kernel was launched
-// after has completed, its writes visible. pdl_trigger: the stream's next kernel, if launched
-// as a dependent (bwd::launch_dependent), may start its CTAs on the SMs this grid leaves free
-// once each of its CTAs has triggered or exited.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 
 // The sm90 backward's padded rows (BwdParams::t_pad), element idx of (B, N, t_pad) in address
 // order: lse_log2[b, n, t] = lse * log2(e), +inf where P = 0 (no visible key, t past T or the
@@ -1309,25 +1294,6 @@ void launch_main(Kernel kernel, const BwdParams& p, int64_t ctas, int threads, i
                  cudaStream_t stream) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(p);
-}
-
-// kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent of the stream's
-// kernel before it (pdl_wait, pdl_trigger): its CTAs may start, and run up to their pdl_wait,
-// while that kernel's last CTAs run.
-template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), int64_t grid, int block, int smem,
-                             cudaStream_t stream, const Args&... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(static_cast<unsigned>(block));
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
 // The passes before and after the main kernel (also the sm90 backward's): delta and

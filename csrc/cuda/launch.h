@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "../params.h"
 
 namespace jaxflash::cuda {
@@ -22,6 +24,21 @@ inline const char* live_variant(const FwdParams& p) {
   if (p.bottom_right) return "causal_alignment";
   if (p.softcap > 0.f) return "logits_soft_cap";
   return nullptr;
+}
+
+// The current device's SM count (a persistent grid's size), cached per device; 132 when the
+// runtime cannot say (an H100 SXM).
+inline int sm_count() {
+  static std::atomic<int> cached[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  int n = cached[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
+      n = 132;
+    cached[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 // The mask's tile summary (FwdParams::mask_tiles), written by summarize_mask before the

@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(!(kSplitCols && kRules), "H = 256 runs the rules on sm80 (select.h)");
   constexpr uint32_t kRowBytes = Cfg::kRowBytes;
   // The dq conversion after (a dependent launch) may take the SMs of the last wave's CTAs.
-  bwd::pdl_trigger();
+  pdl_trigger();
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       // Launched as a dependent of the preprocess pass: K and V (inputs) load while it ends;
       // its lse, delta rows (and dq_accum's zeros, for the writer) only after.
-      bwd::pdl_wait();
+      pdl_wait();
       StepWalk<Seg> walk(walk_start, n_cand, group);
       for (int it = 0; it < n_steps; ++it) {
         walk.next(seg, n_cand);
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     } else if (warp == 1) {
-      bwd::pdl_wait();
+      pdl_wait();
       // dq_accum[b, m0 .., n, :] += sdQ by TMA (rows past T skipped); sdQ is released once
       // read, the adds complete in the L2 on their own (the CTA need not wait for them: the
       // last wait above is the read of its last tile, before its shared memory goes).
@@ -939,7 +939,7 @@ inline int bwd_section_pairs(const BwdParams& p, int64_t key_tiles, bool causal)
   if (!causal || live_variant(p) || pairs <= 1) return 1;
   const int64_t pair_bytes = std::max<int64_t>(p.t * p.h * 8 * (p.n / p.kh), 1);
   const int64_t fit = std::max<int64_t>((int64_t{32} << 20) / pair_bytes, 1);
-  const int64_t ctas = p.dq_first_store ? sm90::sm_count() / 2 : sm90::sm_count();
+  const int64_t ctas = p.dq_first_store ? sm_count() / 2 : sm_count();
   int64_t w = 1;
   while (w * key_tiles < ctas && 2 * w <= fit) w *= 2;
   return static_cast<int>(std::min(w, pairs));
@@ -988,7 +988,7 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // across waves; NOTES.md, twenty-seventh session).
   const bool full_walks = !p.is_causal && !p.q_lengths && !p.kv_lengths && p.window_left < 0 &&
                           p.window_right < 0 && !p.bottom_right;
-  q.rotate_walk = !kCausal && p.deterministic && full_walks && 2 * key_tiles <= sm90::sm_count();
+  q.rotate_walk = !kCausal && p.deterministic && full_walks && 2 * key_tiles <= sm_count();
   // H = 256 has no rules kernel (select.h sends its variants to sm80).
   constexpr bool kHasRules = !Cfg::kSplitCols;
   auto kernel = q.dq_first_store ? sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false, kCausal>
@@ -998,7 +998,7 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // A failure shows up in the caller's cudaGetLastError().
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) == cudaSuccess)
-    bwd::launch_dependent(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, q, tma_q, tma_k,
+    launch_dependent(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, q, tma_q, tma_k,
                           tma_v, tma_do, tma_dq, static_cast<int>(key_tiles),
                           bwd_section_pairs(q, key_tiles, kCausal));
   bwd::launch_convert_dq<T, kHeadDim>(p, stream, /*dependent=*/true);

@@ -56,6 +56,7 @@
 #include "../../params.h"
 #include "../launch.h"
 #include "../mma.cuh"
+#include "../pdl.cuh"
 #include "hopper.cuh"
 #include "rules.cuh"
 #include "wgmma_gen.h"
@@ -145,6 +146,34 @@ __device__ __forceinline__ void issue_s(float (&acc)[N / 2], uint64_t d_q, uint6
   wgmma_commit();
 }
 
+// The split last round of a persistent plain kernel (launch_fwd says where): with n_tiles =
+// F SMs + tiles, the kernel runs F whole rounds, and instead of one more tile on `tiles` of the
+// SMs and none on the rest, the same kernel with kPieces runs the last tiles' key tiles: their
+// tiles * nb key tiles, in tile order, cut into `ctas` runs of equal length (to one key tile),
+// one a CTA, launched as a dependent of the whole rounds. A run is at most nb key tiles (ctas >=
+// tiles), so it holds pieces of at most two tiles. Every piece writes its partial O and (m, l)
+// rows to slot 2 c + i (CTA c's piece i); the last piece of a tile to finish merges them all.
+struct FwdTail {
+  int tiles, ctas, nb;
+  // CTA c's run: key tiles [start(c), start(c + 1)) of the tail
+  __device__ int start(int c) const {
+    return static_cast<int>(int64_t{c} * tiles * nb / ctas);
+  }
+  // the CTA whose run holds key tile u: the last c with start(c) <= u
+  __device__ int cta_of(int u) const {
+    const int64_t units = int64_t{tiles} * nb;
+    return static_cast<int>(((u + 1) * int64_t{ctas} + units - 1) / units) - 1;
+  }
+};
+
+// Slot `slot`'s partial O of warpgroup w's thread tw: (slots, kWGs, kNO / 4, 128) float4, the
+// thread's accumulator floats 4 i .. 4 i + 3 at + 128 i, so that a warp's stores are 512 bytes
+// in a row.
+template <int kNO>
+__device__ __forceinline__ float4* split_slot_o(float* base, int slot, int wgs, int w, int tw) {
+  return reinterpret_cast<float4*>(base) + (int64_t{slot} * wgs + w) * (kNO / 4) * 128 + tw;
+}
+
 // kPersistent: a grid of one CTA per SM (see the kernel); kNarrow: 128-key tiles
 // (FwdTileSm90); kWGs: consumer warpgroups (3 only at H = 64, in 160 registers: S, P and O
 // take 128); run_fwd_sm90 says where each runs.
@@ -174,8 +203,8 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
   // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], (kStageO) sO,
   // then mbarriers q[kColBlocks], full_k[kStages], full_v[kStages], empty_k[kStages],
-  // empty_v[kStages], q_empty, (kDynamic) tile[2] and the tiles' ids, then (kRules) the
-  // SegShared.
+  // empty_v[kStages], q_empty, (kDynamic) tile[2], then the tiles' ids (kDynamic) or the
+  // warpgroups' flags (kPieces), then (kRules) the SegShared.
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
@@ -185,8 +214,8 @@ struct FwdCfgSm90 {
   static constexpr bool kStageO = kPersistent;
   static constexpr uint32_t kOffBar = kOffO + (kStageO ? kQBytes : 0);
   static constexpr int kNumBars = kColBlocks + 1 + 4 * kStages + (kDynamic ? 2 : 0);
-  static constexpr uint32_t kOffTile = kOffBar + kNumBars * 8;  // int tile_id[2] (kDynamic)
-  static constexpr uint32_t kOffSeg = (kOffTile + 8 + 15) / 16 * 16;
+  static constexpr uint32_t kOffTile = kOffBar + kNumBars * 8;  // int [4]
+  static constexpr uint32_t kOffSeg = (kOffTile + 16 + 15) / 16 * 16;
   using Seg = SegShared<kBlockN, kStages>;
   static constexpr int kSmemBytes =
       kOffSeg + (kRules ? sizeof(Seg) : 0) + 1024;  // + slack to align the base
@@ -200,20 +229,24 @@ struct FwdCfgSm90 {
 
 // kRules: the rules of p (Rules: causal, window, lengths, alignment; SegShared: segment ids)
 // apply; kCausal is false.
+// kPieces: the pieces of a split last round (FwdTail; kPersistent plain kernels).
 template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kPersistent, bool kNarrow,
-          int kWGs>
+          int kWGs, bool kPieces = false>
 __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     flash_fwd_sm90_kernel(const FwdParams p, const __grid_constant__ CUtensorMap tma_q,
                           const __grid_constant__ CUtensorMap tma_k,
                           const __grid_constant__ CUtensorMap tma_v,
                           const __grid_constant__ CUtensorMap tma_o, int num_m_blocks,
-                          int n_tiles, int sec_heads) {
+                          int n_tiles, int sec_heads, FwdTail tail) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!(kCausal && kRules), "the rules kernel reads is_causal from p");
   using Cfg = FwdCfgSm90<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow, kWGs>;
   constexpr bool kDynamic = Cfg::kDynamic;
+  static_assert(!kPieces || (kPersistent && !kDynamic), "pieces of a persistent plain kernel");
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr uint32_t kRowBytes = 128;  // one swizzled row of a column block
+  // The pieces of a split last round, a dependent launch, may take the SMs this grid leaves.
+  if constexpr (kPersistent && !kCausal && !kPieces) pdl_trigger();
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -229,7 +262,8 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
   const uint32_t bar_empty_v = bar_empty_k + 8 * kStages;  // empty_v[stage]
   const uint32_t bar_q_empty = bar_empty_v + 8 * kStages;  // every consumer's S GEMMs read sQ
   // kDynamic: the CTA's tile k (k > 0; n_tiles or more when there is none) in tile_id[k % 2],
-  // published by an arrival on tile[k % 2] (bar_tile + 8 (k % 2))
+  // published by an arrival on tile[k % 2] (bar_tile + 8 (k % 2)); kPieces: tile_id[cw] says
+  // whether warpgroup cw's piece was its tile's last
   const uint32_t bar_tile = bar_q_empty + 8;
   int* tile_id = reinterpret_cast<int*>(smem + Cfg::kOffTile);
 
@@ -274,6 +308,24 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     }
   };
   set_tile(blockIdx.x);
+  // kPieces: the CTA's items are the pieces of run blockIdx.x of the tail (FwdTail), which
+  // follows the n_tiles - tail.tiles whole tiles.
+  const int n_full = n_tiles - tail.tiles;
+  int run0 = 0, run1 = 0, n_items = 0;
+  if constexpr (kPieces) {
+    run0 = tail.start(blockIdx.x);
+    run1 = tail.start(blockIdx.x + 1);
+    n_items = (run1 > run0) + (run1 > (run0 / tail.nb + 1) * tail.nb);
+  }
+  int piece = 0, piece_tile = 0;  // the item's piece of the run, its tile of the tail
+  auto set_item = [&](int k) {
+    piece = k;
+    piece_tile = run0 / tail.nb + k;
+    set_tile(n_full + piece_tile);
+    const int u0 = piece_tile * tail.nb;  // the tile's first key tile in the tail
+    j_lo = max(run0 - u0, 0);
+    n_blocks = min(run1 - u0, tail.nb) - j_lo;
+  };
   using Seg = typename Cfg::Seg;
   Seg& seg = *reinterpret_cast<Seg*>(smem + Cfg::kOffSeg);  // kRules only
   const int n_cand = n_blocks;  // candidate tiles; the visited ones are bits of seg.live
@@ -365,10 +417,11 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     if (kRules ? warp == 0 : tid == 0) {
       // kv_base: the K/V steps of the CTA's earlier tiles, with which the rings' stages and
       // phases go on.
-      for (int t = blockIdx.x, k = 0, kv_base = 0, t_next = 0; t < n_tiles;
-           t = kDynamic ? t_next : kPersistent ? t + gridDim.x : n_tiles, ++k,
+      for (int t = blockIdx.x, k = 0, kv_base = 0, t_next = 0; kPieces ? k < n_items : t < n_tiles;
+           t = kDynamic ? t_next : kPersistent && !kPieces ? t + gridDim.x : n_tiles, ++k,
                kv_base += n_blocks) {
-        if (k > 0) set_tile(t);
+        if (kPieces) set_item(k);
+        else if (k > 0) set_tile(t);
         // Step it loads K of tile it, then V of tile it - 1: the consumers issue S of tile it
         // with P V of tile it - 1. A K stage is free once both S GEMMs read it, long before
         // the V stage beside it, which waits for the slower warpgroup's P V.
@@ -450,14 +503,16 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     const uint64_t d_k = sw128_desc(sK, 16, 1024);
     const uint64_t d_v = sw128_desc(sV, kBlockN * kRowBytes, 1024);
     int k = 0;
-    for (int t = blockIdx.x, kv_base = 0; t < n_tiles;
-         t = kDynamic ? t : kPersistent ? t + gridDim.x : n_tiles, ++k, kv_base += n_blocks) {
+    for (int t = blockIdx.x, kv_base = 0; kPieces ? k < n_items : t < n_tiles;
+         t = kDynamic ? t : kPersistent && !kPieces ? t + gridDim.x : n_tiles, ++k,
+         kv_base += n_blocks) {
       if (kDynamic && k > 0) {  // tile k, if any (published while tile k - 1 ran)
         mbar_wait(bar_tile + 8 * (k % 2), ((k - 1) / 2) & 1);
         t = tile_id[k % 2];
         if (t >= n_tiles) break;
       }
-      if (k > 0) set_tile(t);
+      if (kPieces) set_item(k);
+      else if (k > 0) set_tile(t);
       float acc_o[kNO];  // (64, H) fp32 per warpgroup
 #pragma unroll
       for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
@@ -726,7 +781,8 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // nobody would wait for it (kDynamic, whose consumers learn of the last tile only after
       // it: warpgroup 0 takes it after the loop). (Barriers 1 + cw are the epilogues'.)
       const bool last_tile =
-          !kDynamic && (!kPersistent || t + static_cast<int>(gridDim.x) >= n_tiles);
+          !kDynamic && (kPieces ? k == n_items - 1
+                                : !kPersistent || t + static_cast<int>(gridDim.x) >= n_tiles);
       int rounds_left = n_blocks + 1;
       auto turn_begin = [&] { named_barrier_sync(4 + cw, 256); };
       auto turn_end = [&] {
@@ -814,13 +870,74 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       // once no wgmma of the warpgroup still reads it) in the tiles' swizzle, and one thread
       // stores them by TMA (rows past T are not written); the next tile's epilogue waits until
       // that store has read them.
+      // kPieces: the partial O (in the accumulators' order) and (m, l) rows to slot 2 c + piece;
+      // the tile's last piece to finish (a counter per tile and warpgroup) merges every piece's
+      // partial in the order of their CTAs, O = sum_i 2^(m_i - m) O_i and l = sum_i 2^(m_i - m)
+      // l_i with m = max_i m_i, and stores the tile: the same bits whichever piece is last.
+      // Nobody waits, so no order between the CTAs is assumed.
+      float l_row[2];  // kPieces: l of rows g, g + 8
+      if constexpr (kPieces) {
+        l_row[0] = quad_sum(row_sum[0]);
+        l_row[1] = quad_sum(row_sum[1]);
+        const int tw = tid % 128;  // the thread's index in its warpgroup
+        auto slot_ml = [&](int slot) {  // this thread's row g of the slot (row g + 8: + 8)
+          return reinterpret_cast<float2*>(p.split_ml) + int64_t{slot} * kBlockM + wr + g;
+        };
+        const int own = 2 * static_cast<int>(blockIdx.x) + piece;
+        float4* po = split_slot_o<kNO>(p.split_o, own, kWGs, cw, tw);
+#pragma unroll
+        for (int i = 0; i < kNO / 4; ++i)
+          po[i * 128] = make_float4(acc_o[4 * i], acc_o[4 * i + 1], acc_o[4 * i + 2], acc_o[4 * i + 3]);
+        if (tig == 0) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) slot_ml(own)[8 * h] = make_float2(row_max[h], l_row[h]);
+        }
+        __threadfence();
+        named_barrier_sync(1 + cw, 128);
+        const int u0 = piece_tile * tail.nb;  // the tile's key tiles: runs of CTAs c0 .. c1
+        const int c0 = tail.cta_of(u0), c1 = tail.cta_of(u0 + tail.nb - 1);
+        if (tw == 0) {
+          unsigned long long* ctr = p.split_cnt + piece_tile * kWGs + cw;
+          tile_id[cw] = claim_tile(ctr, claim_add(ctr)) == c1 - c0;
+          __threadfence();
+        }
+        named_barrier_sync(1 + cw, 128);
+        if (!tile_id[cw]) continue;
+        // From m = -inf, l = 0, O = 0 the first merge gives the first partial exactly.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) row_max[h] = -INFINITY, l_row[h] = 0.f;
+#pragma unroll
+        for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
+        for (int c = c0; c <= c1; ++c) {
+          const int slot = 2 * c + (tail.start(c) < u0);  // c's first piece, or its second
+          float a[2], e[2];  // the scales of the merged rows and of the slot's
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float2 x = __ldcg(slot_ml(slot) + 8 * h);
+            const float mx = fmaxf(row_max[h], x.x), m_use = mx == -INFINITY ? 0.f : mx;
+            a[h] = exp2_approx(row_max[h] - m_use);
+            e[h] = exp2_approx(x.x - m_use);
+            row_max[h] = mx;
+            l_row[h] = l_row[h] * a[h] + x.y * e[h];
+          }
+          const float4* pc = split_slot_o<kNO>(p.split_o, slot, kWGs, cw, tw);
+#pragma unroll
+          for (int i = 0; i < kNO / 4; ++i) {
+            const float4 v = __ldcg(pc + i * 128);
+            acc_o[4 * i] = acc_o[4 * i] * a[0] + v.x * e[0];
+            acc_o[4 * i + 1] = acc_o[4 * i + 1] * a[0] + v.y * e[0];
+            acc_o[4 * i + 2] = acc_o[4 * i + 2] * a[1] + v.z * e[1];
+            acc_o[4 * i + 3] = acc_o[4 * i + 3] * a[1] + v.w * e[1];
+          }
+        }
+      }
       float* gLse = p.lse + bn * p.t;
       if (Cfg::kStageO && o_leader) bulk_wait_read();
       named_barrier_sync(1 + cw, 128);
       const uint32_t o_off = Cfg::kStageO ? Cfg::kOffO : Cfg::kOffQ;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float l = quad_sum(row_sum[h]);
+        const float l = kPieces ? l_row[h] : quad_sum(row_sum[h]);
         const float inv = l == 0.f ? 0.f : 1.f / l;
         const int row = wr + g + 8 * h;
 #pragma unroll
@@ -849,6 +966,9 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     // Shared memory must outlive the reads of the last stores.
     if (o_leader) bulk_wait_read();
   }
+  // kPieces, launched as a dependent of the whole rounds' kernel: ends after it, so that what
+  // follows on the stream sees their O too.
+  if constexpr (kPieces) pdl_wait();
 #else
   __trap();  // only the sm_90a build of this kernel is ever launched (see select.h)
 #endif
@@ -871,8 +991,24 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t num_m_blocks = (p.t + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const int64_t n_tiles = num_m_blocks * p.n * p.b;  // < 2^31 for anything that fits in memory
   if (n_tiles == 0) return true;
-  const int64_t grid = kPersistent ? std::min<int64_t>(n_tiles, sm_count()) : n_tiles;
   if (Cfg::kDynamic && p.tile_counter == nullptr) return false;
+  // The persistent plain kernels' last round split (FwdTail) where it would leave at least a
+  // quarter of the SMs idle, from 4k keys (the workspace, fwd_split_bytes): the kernel runs the
+  // whole rounds (n_whole tiles), then the pieces. At 1k-2k keys, or with 15% of the SMs idle
+  // (H = 64 at 16k), the pieces' fixed costs took more than the idle SMs' share (NOTES.md,
+  // thirty-fifth session).
+  FwdTail tail{0, 0, 0};
+  int64_t n_whole = n_tiles;
+  if constexpr (kPersistent && !kCausal) {
+    const int64_t sms = sm_count(), nb = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    const int64_t last = n_tiles % sms;  // tiles of the last round
+    if (p.split_o && last > 0 && 4 * last <= 3 * sms) {
+      tail = FwdTail{static_cast<int>(last), static_cast<int>(std::min(sms, last * nb / 2)),
+                     static_cast<int>(nb)};
+      n_whole = n_tiles - last;
+    }
+  }
+  const int64_t grid = kPersistent ? std::min<int64_t>(n_whole, sm_count()) : n_tiles;
   auto kernel = flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow, kWGs>;
   // kDynamic's sections: the query heads whose K and V fill 32 MB of the L2 (the heads of a
   // GQA group share theirs), 16 MB where a head has at most 8 query tiles. Measured against
@@ -887,9 +1023,28 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) != cudaSuccess)
     return true;
-  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-      p, tma_q, tma_k, tma_v, tma_o, static_cast<int>(num_m_blocks), static_cast<int>(n_tiles),
-      sec_heads);
+  if (grid > 0)
+    kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+        p, tma_q, tma_k, tma_v, tma_o, static_cast<int>(num_m_blocks), static_cast<int>(n_whole),
+        sec_heads, FwdTail{0, 0, 0});
+  if constexpr (kPersistent && !kCausal) {
+    if (tail.tiles > 0) {
+      // The pieces' CTAs take the SMs as the whole rounds' leave them; only as a dependent of
+      // our own kernel, which started after the inputs were written.
+      auto pieces =
+          flash_fwd_sm90_kernel<T, kHeadDim, kCausal, kRules, kPersistent, kNarrow, kWGs, true>;
+      if (cudaFuncSetAttribute(pieces, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               Cfg::kSmemBytes) != cudaSuccess)
+        return true;
+      const int nt = static_cast<int>(n_tiles), mb = static_cast<int>(num_m_blocks);
+      if (grid > 0)
+        launch_dependent(pieces, tail.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tma_q,
+                         tma_k, tma_v, tma_o, mb, nt, sec_heads, tail);
+      else
+        pieces<<<tail.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, tma_q, tma_k, tma_v,
+                                                                      tma_o, mb, nt, sec_heads, tail);
+    }
+  }
   return true;
 }
 

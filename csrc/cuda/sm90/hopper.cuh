@@ -10,7 +10,6 @@
 
 #include <cuda_bf16.h>
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -296,21 +295,6 @@ __device__ __forceinline__ int claim_tile(unsigned long long* ctr, unsigned long
     old = (seen & kHi) == tag ? atomicAdd(ctr, 1ull) : seen - 1;
   }
   return static_cast<int>(old & 0xffffffffu);
-}
-
-// The current device's SM count (a persistent grid's size), cached per device; 132 when the
-// runtime cannot say (an H100 SXM).
-inline int sm_count() {
-  static std::atomic<int> cached[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
-  int n = cached[dev].load(std::memory_order_relaxed);
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
-      n = 132;
-    cached[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
 }
 
 // The (H, heads, L, B) view of a BTNH (or BSKH) tensor, innermost first, and a box of

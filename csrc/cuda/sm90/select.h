@@ -84,6 +84,31 @@ inline bool use_bwd_sm90(const BwdParams& p) {
 }
 #endif
 
+// The workspace of the persistent plain sm90 forward's split last round (FwdParams::split_o,
+// sm90/flash_fwd_sm90.cuh FwdTail): two pieces a CTA of up to 192 rows (H = 64's three
+// warpgroups) of fp32 O and (m, l), and a counter per tile (fewer than the SMs) and warpgroup.
+// 0 where that kernel does not run or does not split (fewer than 32 key tiles of 128). With
+// `base`, the workspace there: sets o, ml and cnt.
+inline int64_t fwd_split_bytes(const FwdParams& p, float** o = nullptr, float** ml = nullptr,
+                               unsigned long long** cnt = nullptr, void* base = nullptr) {
+#ifdef JAXFLASH_SM90
+  if (p.is_causal || live_variant(p) || p.h != p.hv || (p.h != 64 && p.h != 128) ||
+      p.s < 32 * 128 || !use_fwd_sm90(p))
+    return 0;
+  const int64_t rows = 2 * sm_count() * 192, o_bytes = rows * p.hv * 4, ml_bytes = rows * 8;
+  if (base) {
+    char* at = static_cast<char*>(base);
+    *o = reinterpret_cast<float*>(at);
+    *ml = reinterpret_cast<float*>(at + o_bytes);
+    *cnt = reinterpret_cast<unsigned long long*>(at + o_bytes + ml_bytes);
+  }
+  return o_bytes + ml_bytes + sm_count() * 3 * 8;
+#else
+  (void)p, (void)o, (void)ml, (void)cnt, (void)base;
+  return 0;
+#endif
+}
+
 // The head dims the sm90 kernels have (instantiations/{fwd,bwd}_sm90_hdim<d>_*, compiled with
 // d): H == Hv in {64, 128, 256}. Every other pair, and a smaller Hv on these kernels, runs on
 // sm80.
