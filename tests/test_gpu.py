@@ -61,6 +61,24 @@ def test_key_tensor_over_2pow31_elements():
   assert_accurate("out", out, ref, lo, jnp.bfloat16)
 
 
+def _forward_against_reference(shape, is_causal, seeds):
+  """out and lse of one implementation='cuda' executable for each seed's inputs, checked
+  against the reference; returns the executable, the last seed's inputs and its outputs."""
+  B, T, S, N, K, H = shape
+  fwd = jax.jit(lambda q, k, v: jaxflash.attention(
+      q, k, v, is_causal=is_causal, implementation="cuda", return_residual=True))
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = jax.jit(lambda *a: jaxflash.attention_reference(*a, is_causal=is_causal))
+  for seed in seeds:
+    q = _rand(seed, (B, T, N, H))
+    k, v = _rand(seed + 1, (B, S, K, H)), _rand(seed + 2, (B, S, K, H))
+    out, lse = fwd(q, k, v)
+    (ref_out, ref_lse), (lo_out, lo_lse) = ref(f32(q), f32(k), f32(v)), ref(q, k, v)
+    assert_accurate(f"out (seed {seed})", out, ref_out, lo_out, jnp.bfloat16)
+    assert_accurate(f"lse (seed {seed})", lse, ref_lse, lo_lse, jnp.bfloat16)
+  return fwd, (q, k, v), (out, lse)
+
+
 @pytest.mark.parametrize("shape", [(4, 1000, 40, 8, 64), (2, 2048, 8, 8, 128)])
 def test_persistent_causal_forward(shape):
   """The sm90 causal forward at H = 64 on at most 8 query tiles, and at H = 128 up to 4k, runs
@@ -69,17 +87,7 @@ def test_persistent_causal_forward(shape):
   GQA. One executable runs three times on fresh inputs (each launch must take the counter
   over from the one before); every row of every head is checked."""
   B, T, N, K, H = shape
-  fwd = jax.jit(lambda q, k, v: jaxflash.attention(
-      q, k, v, is_causal=True, implementation="cuda", return_residual=True))
-  f32 = lambda x: x.astype(jnp.float32)
-  ref = jax.jit(lambda *a: jaxflash.attention_reference(*a, is_causal=True))
-  for seed in (6, 9, 12):
-    q = _rand(seed, (B, T, N, H))
-    k, v = _rand(seed + 1, (B, T, K, H)), _rand(seed + 2, (B, T, K, H))
-    out, lse = fwd(q, k, v)
-    (ref_out, ref_lse), (lo_out, lo_lse) = ref(f32(q), f32(k), f32(v)), ref(q, k, v)
-    assert_accurate(f"out (seed {seed})", out, ref_out, lo_out, jnp.bfloat16)
-    assert_accurate(f"lse (seed {seed})", lse, ref_lse, lo_lse, jnp.bfloat16)
+  _forward_against_reference((B, T, T, N, K, H), True, (6, 9, 12))
 
 
 @pytest.mark.parametrize("shape", [(2, 1000, 4096, 10, 2, 128), (1, 1000, 4100, 10, 2, 128),
@@ -92,19 +100,8 @@ def test_split_last_round_forward(shape):
   tiles with 192-key tiles (60 split). Three launches of one executable on fresh inputs (each
   takes the counters over from the one before), every row checked; a fourth gives the third's
   bits (the merge's order does not depend on which piece is last)."""
-  B, T, S, N, K, H = shape
-  fwd = jax.jit(lambda q, k, v: jaxflash.attention(
-      q, k, v, implementation="cuda", return_residual=True))
-  f32 = lambda x: x.astype(jnp.float32)
-  ref = jax.jit(jaxflash.attention_reference)
-  for seed in (3, 4, 5):
-    q = _rand(seed, (B, T, N, H))
-    k, v = _rand(seed + 1, (B, S, K, H)), _rand(seed + 2, (B, S, K, H))
-    out, lse = fwd(q, k, v)
-    (ref_out, ref_lse), (lo_out, lo_lse) = ref(f32(q), f32(k), f32(v)), ref(q, k, v)
-    assert_accurate(f"out (seed {seed})", out, ref_out, lo_out, jnp.bfloat16)
-    assert_accurate(f"lse (seed {seed})", lse, ref_lse, lo_lse, jnp.bfloat16)
-  out_again, lse_again = fwd(q, k, v)
+  fwd, args, (out, lse) = _forward_against_reference(shape, False, (3, 4, 5))
+  out_again, lse_again = fwd(*args)
   assert (np.asarray(out).view(np.uint16) == np.asarray(out_again).view(np.uint16)).all()
   assert (np.asarray(lse) == np.asarray(lse_again)).all()
 
