@@ -887,7 +887,8 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         float4* po = split_slot_o<kNO>(p.split_o, own, kWGs, cw, tw);
 #pragma unroll
         for (int i = 0; i < kNO / 4; ++i)
-          po[i * 128] = make_float4(acc_o[4 * i], acc_o[4 * i + 1], acc_o[4 * i + 2], acc_o[4 * i + 3]);
+          po[i * 128] =
+              make_float4(acc_o[4 * i], acc_o[4 * i + 1], acc_o[4 * i + 2], acc_o[4 * i + 3]);
         if (tig == 0) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) slot_ml(own)[8 * h] = make_float2(row_max[h], l_row[h]);
@@ -1041,8 +1042,8 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
         launch_dependent(pieces, tail.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream, p, tma_q,
                          tma_k, tma_v, tma_o, mb, nt, sec_heads, tail);
       else
-        pieces<<<tail.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, tma_q, tma_k, tma_v,
-                                                                      tma_o, mb, nt, sec_heads, tail);
+        pieces<<<tail.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+            p, tma_q, tma_k, tma_v, tma_o, mb, nt, sec_heads, tail);
     }
   }
   return true;
