@@ -179,7 +179,7 @@ def test_grads_f32(impl, options, H):
                                    (2, 4133, 1000, 8, 2, 64), (1, 1100, 2001, 4, 2, 256),
                                    (1, 2049, 700, 8, 2, 256), (3, 2500, 2500, 4, 2, 128),
                                    (5, 1500, 1500, 4, 2, 128), (2, 1500, 700, 4, 2, 128),
-                                   (2, 1100, 700, 8, 2, 64)],
+                                   (2, 1100, 700, 8, 2, 64), (1, 2304, 2304, 4, 2, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_cuda_long_sequences(dtype, is_causal, shape):
   """Many tiles in both directions, with ragged tails; the small SHAPES cover the edges. At
@@ -190,7 +190,9 @@ def test_cuda_long_sequences(dtype, is_causal, shape):
   sm90 forward's 80-key tiles end 1 key into the last one, and the sm90 backward (64-key tiles,
   dK and dV split by columns, dQ in two rounds) runs T < S and T > S with GQA. Causal at
   T > S = 700 both warpgroups of the last query tiles see 60 keys of the last key tile (its
-  S at half width), at T = S only warpgroup 0 of each diagonal tile."""
+  S at half width), at T = S only warpgroup 0 of each diagonal tile. Causal past S = 2048 keys
+  (4096, 4133, 3001, 2500, and 2304 at H = 256) the sm90 backward's CTAs walk their query
+  tiles last to first."""
   test_forward_and_grads("cuda", dtype, is_causal, shape)
 
 
