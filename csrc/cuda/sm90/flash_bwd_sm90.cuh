@@ -233,9 +233,8 @@ __global__ void __launch_bounds__(384, 1)
   // Step it: query head kvh * group + walk.head, query tile step_m0 (StepWalk).
   auto step_head = [&](const StepWalk<Seg>& w) { return kvh * group + w.head; };
   // Under causal masking past the first-store tickets (and not deterministic, whose order of
-  // adds is fixed) each CTA walks its query tiles last to first: the CTAs of a section that
-  // start together then visit the same Q, dO and dq_accum tiles together, instead of each
-  // from its own diagonal. D=128: +1-2.3% at 4k-8k causal, 0-2% at 16k (NOTES.md,
+  // adds is fixed) each CTA walks its query tiles last to first, its masked diagonal steps
+  // last: D=128 +1-2.3% at 4k-8k causal, 0-2% at 16k, though it reads more DRAM (NOTES.md,
   // thirty-seventh session).
   const bool last_first = kCausal && !kFirstStore && !det;
   auto step_m0 = [&](const StepWalk<Seg>& w) {
