@@ -205,7 +205,15 @@ __global__ void __launch_bounds__(384, 1)
   // a query tile's dQ (but for rotated walks; the dQ writer below).
   const bool det = p.deterministic;
   const int t_len = static_cast<int>(p.t), s_len = static_cast<int>(p.s);
-  const int2 st = section_tile(blockIdx.x, sec_pairs, static_cast<unsigned>(p.b * p.kh), key_tiles);
+  // Under causal masking past the first-store tickets (and not deterministic, whose order of
+  // adds is fixed) each CTA walks its query tiles last to first, its masked diagonal steps
+  // last: D=128 +1-2.3% at 4k-8k causal, 0-2% at 16k, though it reads more DRAM (NOTES.md,
+  // thirty-seventh session). There the shortest eighth of every pair's key tiles runs after
+  // all the sections, longest first, to fill the SMs that the last sections' long CTAs leave
+  // idle: D=128 +1-2% at 16k causal, ~0.5% at 4k-8k (a quarter: 4k slower; thirty-ninth).
+  const bool last_first = kCausal && !kFirstStore && !det;
+  const int2 st = section_tile_deferred(blockIdx.x, sec_pairs, static_cast<unsigned>(p.b * p.kh),
+                                        key_tiles, last_first ? key_tiles / 8 : 0);
   const int key_tile = det ? key_tiles - 1 - st.x : st.x;
   const int n0 = key_tile * kBlockN;
   const int64_t bkh = st.y;
@@ -232,11 +240,6 @@ __global__ void __launch_bounds__(384, 1)
   const int32_t* kv_ids = p.kv_segment_ids + b * p.s;
   // Step it: query head kvh * group + walk.head, query tile step_m0 (StepWalk).
   auto step_head = [&](const StepWalk<Seg>& w) { return kvh * group + w.head; };
-  // Under causal masking past the first-store tickets (and not deterministic, whose order of
-  // adds is fixed) each CTA walks its query tiles last to first, its masked diagonal steps
-  // last: D=128 +1-2.3% at 4k-8k causal, 0-2% at 16k, though it reads more DRAM (NOTES.md,
-  // thirty-seventh session).
-  const bool last_first = kCausal && !kFirstStore && !det;
   auto step_m0 = [&](const StepWalk<Seg>& w) {
     return (last_first ? m_end - 1 - w.r : m_first + w.r) * kBlockM;
   };

@@ -274,6 +274,16 @@ __device__ __forceinline__ int2 section_tile(unsigned t, unsigned sec, unsigned 
   return make_int2(static_cast<int>(loc / width), static_cast<int>(first + loc % width));
 }
 
+// section_tile over every unit's first `tiles - deferred` tiles, then the last `deferred` tiles
+// of all the units, tile slowest.
+__device__ __forceinline__ int2 section_tile_deferred(unsigned t, unsigned sec, unsigned units,
+                                                      unsigned tiles, unsigned deferred) {
+  const unsigned head = units * (tiles - deferred);
+  if (t < head) return section_tile(t, sec, units, tiles - deferred);
+  t -= head;
+  return make_int2(static_cast<int>(tiles - deferred + t / units), static_cast<int>(t % units));
+}
+
 // The next of this launch's claims (0, 1, ...) on a tile counter that no pass zeroes before
 // the kernel: the 64-bit word holds (the launch's %gridid, low 32 bits; claims so far), and a
 // word of another launch (or uninitialised scratch) is taken over at 0. Without the memset
