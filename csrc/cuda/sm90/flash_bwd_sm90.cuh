@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(384, 1)
   // last: D=128 +1-2.3% at 4k-8k causal, 0-2% at 16k, though it reads more DRAM (NOTES.md,
   // thirty-seventh session). There the shortest eighth of every pair's key tiles runs after
   // all the sections, longest first, to fill the SMs that the last sections' long CTAs leave
-  // idle: D=128 +1-2% at 16k causal, ~0.5% at 4k-8k (a quarter: 4k slower; thirty-ninth).
+  // idle: D=128 +0.9% at 16k causal, +0.4-0.7% at 4k-8k (medians of A/B rounds; a quarter:
+  // 4k slower; thirty-ninth).
   const bool last_first = kCausal && !kFirstStore && !det;
   const int2 st = section_tile_deferred(blockIdx.x, sec_pairs, static_cast<unsigned>(p.b * p.kh),
                                         key_tiles, last_first ? key_tiles / 8 : 0);
