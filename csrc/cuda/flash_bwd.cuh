@@ -130,13 +130,19 @@ __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 }
 
 // Rows (b, t, n) of a BTNH tensor handled by 8-element (16-byte) chunks: kLanes adjacent lanes
-// of one warp per row, lane c holding chunk c of a row of up to kWidth columns. kLanes is a
-// power of 2 (the row's lanes reduce by shuffles): the lanes past kWidth / 8 (at 192) idle.
-template <int kWidth>
+// of one warp per row, lane c holding chunks c + kLanes i (i < kPerLane) of a row of up to
+// kWidth columns. kLanes is a power of 2 (the row's lanes reduce by shuffles): the chunks past
+// kWidth / 8 (at 192) idle.
+template <int kWidth, int kChunksPerLane = 1>
 struct RowChunks {
-  static constexpr int kLanes = kWidth <= 64 ? 8 : kWidth <= 128 ? 16 : 32;
+  static constexpr int kPerLane = kChunksPerLane;
+  static constexpr int kLanes = [] {
+    int lanes = 1;
+    while (lanes * kPerLane * 8 < kWidth) lanes *= 2;
+    return lanes;
+  }();
   static constexpr int kThreads = 256;
-  static_assert(kLanes * 8 >= kWidth, "a lane per chunk");
+  static_assert(kLanes <= 32, "a row's lanes in one warp");
   __host__ __device__ static int64_t blocks(int64_t rows) {
     return (rows * kLanes + kThreads - 1) / kThreads;
   }
@@ -163,13 +169,72 @@ __device__ __forceinline__ void lse_row(const BwdParams& p, int64_t idx) {
 // the forward's fp32 o (p.o_f32) when given, else the stored one;
 // dq_accum[b, t, n, :H] = 0 (rows bwd_width(H) wide; the padding is never read), or with
 // p.dq_first_store the dQ tickets = 0 instead. With p.t_pad (the sm90 backward) delta's rows
-// are t_pad long, and the blocks past the rows' (RowChunks::blocks) write the padded rows
-// (lse_row) in one launch with them.
-template <typename T, int kHeadDim, int kHeadDimV>
-__global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
-    preprocess_kernel(const BwdParams p) {
-  using Rows = RowChunks<Tiles<kHeadDim>::kWidth>;
+// are t_pad long, and the blocks past the rows' (PreRows::blocks) write the padded rows
+// (lse_row) in one launch with them. A lane takes 2 chunks of its row, so that the row's index
+// arithmetic is shared by 64 bytes of dout and o: at one chunk a lane the pass ran at half the
+// DRAM's rate where dq_accum takes no zeros (H200, ncu, D=128 at 16k tokens: 61 -> 37 us; the
+// D=128 1k causal backward +3%). With the zeros it is level (68 us); 4 chunks a lane were
+// slower there (NOTES.md, fortieth session).
+template <int kHeadDim>
+using PreRows = RowChunks<Tiles<kHeadDim>::kWidth, 2>;
+
+// This lane's part of delta's row sum (kOF32: from p.o_f32), after its part of dq_accum's zeros
+// (the row's lanes on adjacent 16-byte pieces; stores first, so that no wait for the loads
+// holds them back).
+template <typename T, int kHeadDim, int kHeadDimV, bool kOF32>
+__device__ __forceinline__ float delta_lane(const BwdParams& p, int64_t row, int lane,
+                                            int64_t o_at, const T* dout) {
+  using Rows = PreRows<kHeadDim>;
   constexpr int kWidth = Tiles<kHeadDim>::kWidth;
+  constexpr int kLanes = Rows::kLanes, kPerLane = Rows::kPerLane;
+  if (!p.dq_first_store) {
+    float4* dqa = reinterpret_cast<float4*>(p.dq_accum + row * kWidth);
+#pragma unroll
+    for (int u = lane; u < kWidth / 4; u += kLanes)
+      if (u < kHeadDim / 4) dqa[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  // The row's chunks lane + kLanes i (8 columns each of dout and o): all loads, then the sums.
+  uint4 d[kPerLane];
+  std::conditional_t<kOF32, float4[kPerLane][2], uint4[kPerLane]> o;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int c = lane + kLanes * i;
+    if (c >= kHeadDimV / 8) continue;
+    d[i] = *reinterpret_cast<const uint4*>(dout + c * 8);
+    if constexpr (kOF32) {
+      o[i][0] = reinterpret_cast<const float4*>(p.o_f32 + o_at + c * 8)[0];
+      o[i][1] = reinterpret_cast<const float4*>(p.o_f32 + o_at + c * 8)[1];
+    } else {
+      o[i] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + o_at + c * 8);
+    }
+  }
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (lane + kLanes * i >= kHeadDimV / 8) continue;
+    const uint32_t dw[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
+    float2 of[4];  // 8 columns of o
+    if constexpr (kOF32) {
+      of[0] = make_float2(o[i][0].x, o[i][0].y), of[1] = make_float2(o[i][0].z, o[i][0].w);
+      of[2] = make_float2(o[i][1].x, o[i][1].y), of[3] = make_float2(o[i][1].z, o[i][1].w);
+    } else {
+      const uint32_t ow[4] = {o[i].x, o[i].y, o[i].z, o[i].w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) of[k] = unpack2<T>(ow[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 df = unpack2<T>(dw[k]);
+      acc += of[k].x * df.x + of[k].y * df.y;
+    }
+  }
+  return acc;
+}
+
+template <typename T, int kHeadDim, int kHeadDimV>
+__global__ void __launch_bounds__(PreRows<kHeadDim>::kThreads)
+    preprocess_kernel(const BwdParams p) {
+  using Rows = PreRows<kHeadDim>;
   constexpr int kLanes = Rows::kLanes;
   pdl_trigger();
   const int64_t rows = p.b * p.t * p.n;
@@ -180,49 +245,24 @@ __global__ void __launch_bounds__(RowChunks<Tiles<kHeadDim>::kWidth>::kThreads)
   }
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = idx / kLanes;  // (b * T + t) * N + n
-  const int c = static_cast<int>(idx % kLanes);
+  const int lane = static_cast<int>(idx % kLanes);
   const bool valid = row < rows;
   const int64_t n = row % p.n, t = (row / p.n) % p.t, b = row / (p.n * p.t);
-
-  float acc = 0.f;
-  if (valid && c < kHeadDimV / 8) {
-    const int64_t o_at = b * p.o_batch_stride + t * p.o_row_stride + n * p.o_head_stride + c * 8;
-    const uint4 d = *reinterpret_cast<const uint4*>(
-        static_cast<const T*>(p.dout) + b * p.do_batch_stride + t * p.do_row_stride +
-        n * p.do_head_stride + c * 8);
-    const uint32_t dw[4] = {d.x, d.y, d.z, d.w};
-    float2 of[4];  // this lane's 8 columns of o
-    if (p.o_f32) {
-      const float4* src = reinterpret_cast<const float4*>(p.o_f32 + o_at);
-      const float4 lo = src[0], hi = src[1];
-      of[0] = make_float2(lo.x, lo.y);
-      of[1] = make_float2(lo.z, lo.w);
-      of[2] = make_float2(hi.x, hi.y);
-      of[3] = make_float2(hi.z, hi.w);
-    } else {
-      const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + o_at);
-      const uint32_t ow[4] = {o.x, o.y, o.z, o.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) of[i] = unpack2<T>(ow[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 df = unpack2<T>(dw[i]);
-      acc += of[i].x * df.x + of[i].y * df.y;
-    }
-  }
   // dq_first_store: the kernel stores each query tile's first contribution (tickets, sm90/
   // flash_bwd_sm90.cuh), so dq_accum needs no zeros.
   if (p.dq_first_store && idx < dq_tickets(p)) p.dq_ticket[idx] = 0;
-  if (valid && c < kHeadDim / 8 && !p.dq_first_store) {
-    float4* dqa = reinterpret_cast<float4*>(p.dq_accum + row * kWidth + c * 8);
-    dqa[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    dqa[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float acc = 0.f;
+  if (valid) {
+    const int64_t o_at = b * p.o_batch_stride + t * p.o_row_stride + n * p.o_head_stride;
+    const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride +
+                    t * p.do_row_stride + n * p.do_head_stride;
+    acc = p.o_f32 ? delta_lane<T, kHeadDim, kHeadDimV, true>(p, row, lane, o_at, dout)
+                  : delta_lane<T, kHeadDim, kHeadDimV, false>(p, row, lane, o_at, dout);
   }
   // Every lane takes part in the shuffles; kLanes divides 32, so a row never straddles warps.
 #pragma unroll
   for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (valid && c == 0)
+  if (valid && lane == 0)
     p.delta[(b * p.n + n) * (p.t_pad ? p.t_pad : p.t) + t] =
         acc - (p.dlse ? p.dlse[(b * p.n + n) * p.t + t] : 0.f);
 }
@@ -1301,7 +1341,7 @@ void launch_main(Kernel kernel, const BwdParams& p, int64_t ctas, int threads, i
 // latter as a dependent launch (`dependent`: the sm90 backward, right after its main kernel).
 template <typename T, int kHeadDim, int kHeadDimV>
 void launch_preprocess(const BwdParams& p, cudaStream_t stream) {
-  using Rows = RowChunks<Tiles<kHeadDim>::kWidth>;
+  using Rows = PreRows<kHeadDim>;
   const int64_t rows = p.b * p.t * p.n;  // (b, t, n) rows of q, o, dq
   const int64_t lse_rows = p.t_pad ? p.b * p.n * p.t_pad : 0;
   const int64_t lse_blocks = (lse_rows + Rows::kThreads - 1) / Rows::kThreads;
