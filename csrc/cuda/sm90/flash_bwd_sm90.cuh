@@ -553,9 +553,85 @@ __global__ void __launch_bounds__(384, 1)
     const uint64_t d_ds = sw128_desc(sdS + (dq_row0 / 64) * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
     const uint64_t d_k_dq = sw128_desc(sK + dq_kcb * kBlockN * kRowBytes, kBlockN * kRowBytes, 1024);
     const uint64_t d_dsq = sw128_desc(sdS, 16, 1024);
+    // dQ = dS K: (64, 64) per warpgroup, K = kBlockN keys in k16 steps of 16 rows; A = dS^T's
+    // column block dq_row0 / 64 read MN-major (M = queries contiguous), B = K's column block
+    // dq_kcb read MN-major (N = H contiguous). kDQT: dQ^T = K^T dS^T, A = that block of K
+    // (M = H contiguous; round j: block dq_kcb + j), B = dS K-major (its key column blocks
+    // kBlockM rows apart).
+    auto issue_dq = [&](float (&acc_dq)[32], uint32_t ds_buf, int j) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        if constexpr (kDQT)
+          Wgmma<64>::template ts<T>(
+              acc_dq, desc_at(d_k_dq, (j * kBlockN + kk * 16) * kRowBytes),
+              desc_at(d_dsq, ds_buf + (kk / 4) * kBlockM * kRowBytes + (kk % 4) * 32), kk > 0);
+        else
+          Wgmma<64>::template tt<T>(
+              acc_dq,
+              desc_at(d_ds, ds_buf + kk * 16 * kRowBytes), desc_at(d_k_dq, kk * 16 * kRowBytes),
+              kk > 0);
+      }
+      wgmma_commit();
+    };
+    // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
+    // writer has read the round before. Row r of a column block holds 16-byte chunk c at
+    // c ^ (r % 8).
+    auto store_dq = [&](float (&acc_dq)[32], int round) {
+      if (round > 0) mbar_wait(bar_dq_empty, (round - 1) & 1);
+      if constexpr (kDQT) {
+        // acc_dq element 4 i + c is dQ at row q = 8 i + 2 tig + c % 2, column d = dq_col0 +
+        // 16 wi + g + 8 (c / 2), in chunk (d % 32) / 4 ^ (q % 8) of row q. A warp's 32 stores
+        // of one element fall in 32 distinct banks: the chunk differs along g / 4 and tig,
+        // d % 4 = g % 4 picks the bank in it. q % 8 = 2 tig + c % 2 for every i, so each
+        // (c / 2, c % 2) needs one address, 8 i rows on.
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int d = dq_col0 + 16 * wi + g + 8 * h, q = 2 * tig + e;
+            const uint32_t at = sdQ + (d / 32) * kBlockM * kRowBytes + q * kRowBytes +
+                                ((((d % 32) / 4) ^ q) * 16) + (d % 4) * 4;
+#pragma unroll
+            for (int i = 0; i < kBlockM / 8; ++i)
+              sts_f32(at + i * 8 * kRowBytes, acc_dq[4 * i + 2 * h + e]);
+          }
+      } else {
+        // Element 4 i + 2 h of acc_dq sits 8 h rows and 8 i columns past this thread's first
+        // (row dq_row0 + 16 wi + g, column 2 tig), and r % 8 = g; column 8 i + 2 tig is chunk
+        // 2 (i % 4) + tig / 2, so its swizzled byte offset in the row is this thread's offset
+        // for i % 4 = 0, XOR 32 (i % 4). A float2 store is served a half-warp (4 rows) at a
+        // time, and rows g, g ^ 1 put the same i in the same banks: so odd rows store i ^ 2
+        // (XOR 64) when even rows store i, and each half-warp's 4 rows fill 4 distinct 32-byte
+        // bank groups (1 wavefront, not 2).
+        const bool odd = g & 1;
+        const uint32_t sdq_thread = (sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
+                                     (dq_row0 + 16 * wi + g) * kRowBytes +
+                                     (((tig / 2) ^ g) * 16 + (tig % 2) * 8)) ^ (odd ? 64 : 0);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int e = 4 * i + 2 * h, e2 = 4 * (i ^ 2) + 2 * h;  // selects, not an index
+            sts_f32x2((sdq_thread ^ ((i % 4) * 32)) + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes,
+                      odd ? acc_dq[e2] : acc_dq[e], odd ? acc_dq[e2 + 1] : acc_dq[e + 1]);
+          }
+      }
+      fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_dq_full);
+    };
     mbar_wait(bar_kv, 0);
 
-    for (int it = 0; it < n_steps; ++it) {
+    // The descending walk's last step is the diagonal m0 = n0 (the last head's), where H = 128's
+    // second warpgroup's keys n0 + 64 .. lie past every query: it leaves the loop a step early
+    // and only sends that step's dQ columns with its dS^T zero (below). The loop's code stays as
+    // it was (a skip inside it cost 2-5% through ptxas's schedule); 0.55% fewer cycles at 4k
+    // causal, 0.06% at 16k (ncu; NOTES.md, forty-second session).
+    constexpr bool kDeadStep = kCausal && !kSplitCols && kHeadDim == 128 && !kFirstStore;
+    const bool skip_last = kDeadStep && last_first && cw == 1 && n_steps > 0;
+    const int loop_steps = n_steps - (skip_last ? 1 : 0);
+    for (int it = 0; it < loop_steps; ++it) {
       const int s = it % kStages;
       const uint32_t stage = s * Cfg::kQBytes;  // the step's Q: sQ + stage
       const uint32_t do_stage = kSplitCols ? 0 : stage;  // and its dO: sdO + do_stage
@@ -750,75 +826,7 @@ __global__ void __launch_bounds__(384, 1)
         named_barrier_sync(1, 256);
       }
 
-      // dQ = dS K: (64, 64) per warpgroup, K = kBlockN keys in k16 steps of 16 rows; A = dS^T's
-      // column block dq_row0 / 64 read MN-major (M = queries contiguous), B = K's column block
-      // dq_kcb read MN-major (N = H contiguous). kDQT: dQ^T = K^T dS^T, A = that block of K
-      // (M = H contiguous; round j: block dq_kcb + j), B = dS K-major (its key column blocks
-      // kBlockM rows apart).
       float acc_dq[32];
-      auto issue_dq = [&](float (&acc_dq)[32], int j) {
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          if constexpr (kDQT)
-            Wgmma<64>::template ts<T>(
-                acc_dq, desc_at(d_k_dq, (j * kBlockN + kk * 16) * kRowBytes),
-                desc_at(d_dsq, ds_buf + (kk / 4) * kBlockM * kRowBytes + (kk % 4) * 32), kk > 0);
-          else
-            Wgmma<64>::template tt<T>(
-                acc_dq,
-                desc_at(d_ds, ds_buf + kk * 16 * kRowBytes), desc_at(d_k_dq, kk * 16 * kRowBytes),
-                kk > 0);
-        }
-        wgmma_commit();
-      };
-      // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
-      // writer has read the round before. Row r of a column block holds 16-byte chunk c at
-      // c ^ (r % 8).
-      auto store_dq = [&](float (&acc_dq)[32], int round) {
-        if (round > 0) mbar_wait(bar_dq_empty, (round - 1) & 1);
-        if constexpr (kDQT) {
-          // acc_dq element 4 i + c is dQ at row q = 8 i + 2 tig + c % 2, column d = dq_col0 +
-          // 16 wi + g + 8 (c / 2), in chunk (d % 32) / 4 ^ (q % 8) of row q. A warp's 32 stores
-          // of one element fall in 32 distinct banks: the chunk differs along g / 4 and tig,
-          // d % 4 = g % 4 picks the bank in it. q % 8 = 2 tig + c % 2 for every i, so each
-          // (c / 2, c % 2) needs one address, 8 i rows on.
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int d = dq_col0 + 16 * wi + g + 8 * h, q = 2 * tig + e;
-              const uint32_t at = sdQ + (d / 32) * kBlockM * kRowBytes + q * kRowBytes +
-                                  ((((d % 32) / 4) ^ q) * 16) + (d % 4) * 4;
-#pragma unroll
-              for (int i = 0; i < kBlockM / 8; ++i)
-                sts_f32(at + i * 8 * kRowBytes, acc_dq[4 * i + 2 * h + e]);
-            }
-        } else {
-          // Element 4 i + 2 h of acc_dq sits 8 h rows and 8 i columns past this thread's first
-          // (row dq_row0 + 16 wi + g, column 2 tig), and r % 8 = g; column 8 i + 2 tig is chunk
-          // 2 (i % 4) + tig / 2, so its swizzled byte offset in the row is this thread's offset
-          // for i % 4 = 0, XOR 32 (i % 4). A float2 store is served a half-warp (4 rows) at a
-          // time, and rows g, g ^ 1 put the same i in the same banks: so odd rows store i ^ 2
-          // (XOR 64) when even rows store i, and each half-warp's 4 rows fill 4 distinct 32-byte
-          // bank groups (1 wavefront, not 2).
-          const bool odd = g & 1;
-          const uint32_t sdq_thread = (sdQ + (dq_col0 / 32) * kBlockM * kRowBytes +
-                                       (dq_row0 + 16 * wi + g) * kRowBytes +
-                                       (((tig / 2) ^ g) * 16 + (tig % 2) * 8)) ^ (odd ? 64 : 0);
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              const int e = 4 * i + 2 * h, e2 = 4 * (i ^ 2) + 2 * h;  // selects, not an index
-              sts_f32x2((sdq_thread ^ ((i % 4) * 32)) + (8 * h) * kRowBytes + (i / 4) * kBlockM * kRowBytes,
-                        odd ? acc_dq[e2] : acc_dq[e], odd ? acc_dq[e2 + 1] : acc_dq[e + 1]);
-            }
-        }
-        fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_dq_full);
-      };
       if constexpr (kSplitCols) {
         // dV, both rounds of dQ (the second into acc_dq1), dK: four commit groups, waited for
         // in turn, so that dQ's stores overlap the GEMMs queued behind.
@@ -833,8 +841,8 @@ __global__ void __launch_bounds__(384, 1)
         };
         wgmma_fence();
         issue_kv(acc_dv, d_p_mn, d_do_mn, do_stage);
-        issue_dq(acc_dq, 0);
-        issue_dq(acc_dq1, 1);
+        issue_dq(acc_dq, ds_buf, 0);
+        issue_dq(acc_dq1, ds_buf, 1);
         issue_kv(acc_dk, d_ds, d_q_mn, stage);
         wgmma_wait<2>();  // dV and the first dQ
         fence_regs(acc_dq);
@@ -866,7 +874,7 @@ __global__ void __launch_bounds__(384, 1)
           issue_dk(0, kDKEarly);
           mbar_wait(bar_ds + 8 * (it % 2), (it / 2) & 1);
         }
-        issue_dq(acc_dq, 0);
+        issue_dq(acc_dq, ds_buf, 0);
         issue_dk(kDKEarly, kKM);
         wgmma_wait<1>();  // dV, dK's first steps and dQ (groups retire in order)
         fence_regs(acc_dq);
@@ -876,6 +884,26 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(acc_dk);
         mbar_arrive(bar_empty + 8 * s);
       }
+    }
+    if (skip_last) {
+      // Zeros for this warpgroup's keys of dS (the step's buffer: the other warpgroup's dQ of
+      // step it - 2 read it before its ds arrival of step it - 1), the exchange, dQ.
+      const int it = n_steps - 1;
+      const uint32_t ds_buf = (it % 2) * Cfg::kDSBytes;
+      uint4* half = reinterpret_cast<uint4*>(smem + Cfg::kOffDS + ds_buf +
+                                             (wg_key0 / 64) * kBlockM * kRowBytes);
+#pragma unroll
+      for (int i = 0; i < kBlockM * kRowBytes / 16 / 128; ++i)
+        half[tid % 128 + 128 * i] = make_uint4(0, 0, 0, 0);
+      fence_proxy_async();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_ds + 8 * (it % 2));
+      mbar_wait(bar_ds + 8 * (it % 2), (it / 2) & 1);
+      float acc_dq[32];
+      issue_dq(acc_dq, ds_buf, 0);
+      wgmma_wait<0>();
+      fence_regs(acc_dq);
+      store_dq(acc_dq, it);
     }
 
     // dK = scale * acc_dk, dV = acc_dv in the input dtype (or fp32: grads_f32); keys past S
