@@ -192,7 +192,8 @@ def test_cuda_long_sequences(dtype, is_causal, shape):
   T > S = 700 both warpgroups of the last query tiles see 60 keys of the last key tile (its
   S at half width), at T = S only warpgroup 0 of each diagonal tile. Causal past S = 2048 keys
   (4096, 4133, 3001, 2500, and 2304 at H = 256) the sm90 backward's CTAs walk their query
-  tiles last to first."""
+  tiles last to first, and at H = 128 the second consumer warpgroup leaves the walk's last
+  (diagonal) step to the first (with GQA only the last query head's)."""
   test_forward_and_grads("cuda", dtype, is_causal, shape)
 
 
