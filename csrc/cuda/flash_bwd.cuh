@@ -190,8 +190,7 @@ __device__ __forceinline__ float delta_lane(const BwdParams& p, int64_t row, int
   if (!p.dq_first_store) {
     float4* dqa = reinterpret_cast<float4*>(p.dq_accum + row * kWidth);
 #pragma unroll
-    for (int u = lane; u < kWidth / 4; u += kLanes)
-      if (u < kHeadDim / 4) dqa[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int u = lane; u < kHeadDim / 4; u += kLanes) dqa[u] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   // The row's chunks lane + kLanes i (8 columns each of dout and o): all loads, then the sums.
   uint4 d[kPerLane];
