@@ -628,8 +628,7 @@ __global__ void __launch_bounds__(384, 1)
     // and only sends that step's dQ columns with its dS^T zero (below). The loop's code stays as
     // it was (a skip inside it cost 2-5% through ptxas's schedule); 0.55% fewer cycles at 4k
     // causal, 0.06% at 16k (ncu; NOTES.md, forty-second session).
-    constexpr bool kDeadStep = kCausal && !kSplitCols && kHeadDim == 128 && !kFirstStore;
-    const bool skip_last = kDeadStep && last_first && cw == 1 && n_steps > 0;
+    const bool skip_last = kHeadDim == 128 && last_first && cw == 1 && n_steps > 0;
     const int loop_steps = n_steps - (skip_last ? 1 : 0);
     for (int it = 0; it < loop_steps; ++it) {
       const int s = it % kStages;
