@@ -179,6 +179,7 @@ ffi::Error BwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   p.dq_turn = static_cast<int*>(allocate(w.dq_turn));
   p.kv_seg_range = static_cast<int*>(allocate(w.kv_seg_range));
   p.dq_ticket = static_cast<int*>(allocate(w.dq_ticket));
+  p.prep_done = static_cast<int*>(allocate(w.prep_done));
   if (!allocated)
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "jaxflash: could not allocate the fp32 backward workspaces");

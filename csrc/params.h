@@ -111,6 +111,11 @@ struct BwdParams : FwdParams {
   // The deterministic sm90 backward where every key tile walks every query tile (plain
   // attention, or segment ids alone): each starts at a step of its own (run_bwd_sm90).
   bool rotate_walk = false;
+  // The sm90 backward's preprocess beside its main kernel (run_bwd_sm90): (B, K) counts of the
+  // query rows (of [0, t_pad), over the kv head's group) done, zeroed before each call; the
+  // main kernel waits for prep_rows of them (0: the pass runs before it).
+  int* prep_done = nullptr;
+  int prep_rows = 0;
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;

@@ -1,6 +1,6 @@
 """GPU-only checks: 64-bit offsets (a tensor of more than 2**31 elements), platform choice,
-the sm90 backward's dQ modes (first stores, deterministic orders), head dims the forward runs
-and the backward does not."""
+the sm90 backward's dQ modes (first stores, deterministic orders), its preprocess beside the main
+kernel, head dims the forward runs and the backward does not."""
 
 import functools
 
@@ -143,6 +143,20 @@ def _assert_same_bits(first, again):
                          ids=lambda s: "x".join(map(str, s)))
 def test_causal_grads_without_zeroed_dq_accum(shape):
   _grads_against_reference(shape, is_causal=True)
+
+
+# Backwards whose preprocess runs beside the main kernel (sm90, more than two waves of CTAs past
+# the first-store tickets): each main CTA waits for its (b, kv head) pair's rows. Causal and
+# plain, GQA, ragged rows, fewer queries than keys; two calls, the second on the first's
+# workspace.
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 2100, 2100, 16, 8, 128), (4, 1500, 1500, 8, 8, 64),
+                                   (2, 1000, 3000, 16, 8, 128), (1, 4100, 4100, 8, 8, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_preprocess_beside_main_kernel(shape, is_causal):
+  if shape[-1] not in _ffi.cuda_bwd_head_dims():
+    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
+  _grads_against_reference(shape, is_causal)
 
 
 # deterministic_backward=True on plain and causal attention (sm90: the key tiles that visit a

@@ -129,6 +129,7 @@ __host__ __device__ inline int64_t dq_tickets(const BwdParams& p) {
 // Element counts of the workspaces a backward call needs beyond delta and dq_accum (0: none).
 struct BwdWorkspace {
   int64_t dbias_accum = 0, dalibi_accum = 0, dq_turn = 0, kv_seg_range = 0, dq_ticket = 0;
+  int64_t prep_done = 0;
 };
 
 inline BwdWorkspace bwd_workspace(const BwdParams& p) {
@@ -140,6 +141,7 @@ inline BwdWorkspace bwd_workspace(const BwdParams& p) {
   if (p.bias && !dbias_direct(p) && !p.deterministic) w.dbias_accum = bias_elements(p);
   if (p.alibi_slopes) w.dalibi_accum = p.b * p.n * key_tiles;
   w.dq_ticket = dq_tickets(p);
+  w.prep_done = p.b * p.kh;
   if (p.deterministic) {
     w.dq_turn = p.b * p.n * ((p.t + block_m - 1) / block_m);
     if (p.q_segment_ids) w.kv_seg_range = p.b * key_tiles * 2;

@@ -219,6 +219,14 @@ __global__ void __launch_bounds__(384, 1)
   const int n0 = key_tile * kBlockN;
   const int64_t bkh = st.y;
   const int64_t kvh = bkh % p.kh, b = bkh / p.kh;
+  // The preprocess beside this kernel (prep_beside_kernel; else it ran before, and the roles
+  // that read its rows wait for its grid): the pair's rows done, their writes visible to this
+  // thread and to its TMA copies.
+  const bool beside = !kRules && p.prep_rows != 0;
+  auto wait_prep = [&] {
+    while (bwd::ld_acquire(p.prep_done + bkh) != p.prep_rows) __nanosleep(64);
+    fence_proxy_async_global();
+  };
   const int group = static_cast<int>(p.n / p.kh);
   int m_first = 0, m_end = (t_len + kBlockM - 1) / kBlockM;
   Rules rules;
@@ -320,8 +328,9 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
       // Launched as a dependent of the preprocess pass: K and V (inputs) load while it ends;
-      // its lse, delta rows (and dq_accum's zeros, for the writer) only after.
-      pdl_wait();
+      // its lse, delta rows (and dq_accum's zeros, for the writer) only after. Beside, warp 2
+      // copies the first step's rows (below).
+      if (!beside) pdl_wait();
       StepWalk<Seg> walk(walk_start, n_cand, group);
       for (int it = 0; it < n_steps; ++it) {
         walk.next(seg, n_cand);
@@ -351,8 +360,11 @@ __global__ void __launch_bounds__(384, 1)
                           ci_b, L2Hint::kLast);
           }
           if constexpr (!kRules) {
-            bulk_load(base + Cfg::kOffLse + s * kRowsBytes, p.lse_log2 + row0, kRowsBytes, full);
-            bulk_load(base + Cfg::kOffDelta + s * kRowsBytes, p.delta + row0, kRowsBytes, full);
+            if (it > 0 || !beside) {
+              if (it == 1 && beside) wait_prep();  // (warp 2's acquire is not this thread's)
+              bulk_load(base + Cfg::kOffLse + s * kRowsBytes, p.lse_log2 + row0, kRowsBytes, full);
+              bulk_load(base + Cfg::kOffDelta + s * kRowsBytes, p.delta + row0, kRowsBytes, full);
+            }
           }
         }
         if constexpr (kRules) {
@@ -386,7 +398,7 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     } else if (warp == 1) {
-      pdl_wait();
+      if (!beside) pdl_wait();
       // dq_accum[b, m0 .., n, :] += sdQ by TMA (rows past T skipped); sdQ is released once
       // read, the adds complete in the L2 on their own (the CTA need not wait for them: the
       // last wait above is the read of its last tile, before its shared memory goes).
@@ -437,6 +449,7 @@ __global__ void __launch_bounds__(384, 1)
       };
       if (kRules || lane == 0) {
         if (lane == 0) tma_prefetch_desc(&tma_dq);
+        if (beside) wait_prep();  // dq_accum's zeros (no lane but 0 here: !kRules)
         StepWalk<Seg> walk(walk_start, n_cand, group);
         const int m_tiles = (t_len + kBlockM - 1) / kBlockM;
         for (int it = 0; it < n_steps; ++it) {
@@ -500,6 +513,20 @@ __global__ void __launch_bounds__(384, 1)
           if constexpr (kRules) __syncwarp();
         }
       }
+    } else if (warp == 2 && beside && lane == 0 && n_steps > 0) {
+      // The first step's lse and delta rows, once the pass beside has done them: stage 0's full
+      // barrier expects their bytes from the producer's arrival (a complete_tx before it leaves
+      // the barrier's tx-count negative until then). The producer issues that step's Q and dO
+      // meanwhile, and waits itself only before the second step's rows, while the consumers
+      // run the first: its wait before the first step's measured 0.3-0.4% more main-kernel
+      // cycles (ncu, 4k causal), this one none.
+      wait_prep();
+      StepWalk<Seg> walk(walk_start, n_cand, group);
+      walk.next(seg, n_cand);
+      constexpr uint32_t kRowsBytes = kBlockM * 4;
+      const int64_t row0 = (b * p.n + step_head(walk)) * p.t_pad + step_m0(walk);
+      bulk_load(base + Cfg::kOffLse, p.lse_log2 + row0, kRowsBytes, bar_full);
+      bulk_load(base + Cfg::kOffDelta, p.delta + row0, kRowsBytes, bar_full);
     }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
@@ -962,6 +989,129 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
+// The preprocess beside the main kernel (run_bwd_sm90, BwdParams::prep_done): delta, lse_log2
+// and dq_accum's zeros as the sm80 pass (flash_bwd.cuh preprocess_kernel and lse_row), each
+// warp on rounds of 16 query rows of one head, adding the rows it has done to their (b, kv
+// head) pair's count. The main kernel is a dependent launch that does not wait for this grid:
+// each of its CTAs waits once, for its pair's count, before its first lse and delta copies and
+// its first dQ add. The full-grid pass holds every SM for ~9000 SM-us at 4k (68 us), where a
+// few SMs move the same bytes at twice the rate each. So blocks [0, persistent) take the later
+// pairs' rows, one SM each (kSmem keeps the main kernel's CTAs off their SMs), while the main
+// kernel takes the other SMs; the first pairs' rows, which the first wave needs at once, go in
+// smaller units to the other blocks, which exit to make room for the main kernel's CTAs. The
+// warps never wait for each other: each counts its own rows, with a release (MEMBAR.ALL, no SC
+// fence). H200, D=128: the pass alone 240 us on 16 SMs at 4k causal (56 GB/s an SM: one head's
+// rows lie 4 KB apart, and such strides ran at 55 GB/s in a micro-benchmark, whole rows at 85),
+// the backward +1-2% at 4k-16k causal, +1-6% at 2k-4k plain (NOTES.md, forty-fifth session).
+template <int kHeadDim>
+struct PrepBeside {
+  static constexpr int kThreads = 512, kWarps = kThreads / 32;
+  static constexpr int kRound = 16;                        // rows a warp takes at a time
+  static constexpr int kUnitFirst = kRound * kWarps;        // rows a unit of the first pairs
+  // Rows a unit of the later pairs (a warp's release every 4 rounds): the pass on 16 SMs took
+  // 248 us at 4k causal; at 16 rounds 260 (a head a unit: 56 units on 16 blocks).
+  static constexpr int kUnitLater = 4 * kUnitFirst;
+  // 8-column chunks a lane: at 1 (16 lanes a row) the pass took 334 us.
+  static constexpr int kChunks = 2;
+  using Rows = bwd::RowChunks<kHeadDim, kChunks>;
+  static constexpr int kLanes = Rows::kLanes, kRowsIter = 32 / kLanes;
+  static constexpr int kIters = kRound / kRowsIter;
+  // Iterations whose loads fly at once: 16 pieces of 16 bytes a lane.
+  static constexpr int kBatch = kIters < 8 / kChunks ? kIters : 8 / kChunks;
+  static constexpr int kSmem = 120 * 1024;
+  // Persistent blocks: 32 ran the pass in half the time, with no better backward.
+  static constexpr int kPersistent = 16;
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "sm90 backward head dims");
+  static_assert(kLanes * kChunks * 8 == kHeadDim, "a row's lanes take kChunks each of dO and O");
+};
+
+// Units of (pair, head of its group, kUnit rows of [0, t_pad)): the first_pairs pairs' on
+// blocks [persistent, gridDim.x), the later ones' on blocks [0, persistent).
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(PrepBeside<kHeadDim>::kThreads, 1)
+    prep_beside_kernel(const BwdParams p, int persistent, int first_pairs) {
+  using Cfg = PrepBeside<kHeadDim>;
+  constexpr int kLanes = Cfg::kLanes, kBatch = Cfg::kBatch;
+  constexpr float kLog2e = 1.4426950408889634f;
+  pdl_trigger();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row_lane = lane % kLanes;  // this lane's chunks of its row: row_lane + kLanes h
+  const bool later = static_cast<int>(blockIdx.x) < persistent;
+  const int unit_rows = later ? Cfg::kUnitLater : Cfg::kUnitFirst;
+  const int t_len = static_cast<int>(p.t), t_pad = static_cast<int>(p.t_pad);
+  const int group = static_cast<int>(p.n / p.kh), chunks = (t_pad + unit_rows - 1) / unit_rows;
+  const int pair0 = later ? first_pairs : 0;
+  const int units = ((later ? static_cast<int>(p.b * p.kh) : first_pairs) - pair0) * group * chunks;
+  const int stride = later ? persistent : static_cast<int>(gridDim.x) - persistent;
+  for (int u = later ? blockIdx.x : blockIdx.x - persistent; u < units; u += stride) {
+    const int pair = pair0 + u / (group * chunks);
+    const int64_t b = pair / p.kh, n = pair % p.kh * group + u / chunks % group;
+    const int64_t bn = b * p.n + n;
+    const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + n * p.do_head_stride;
+    const T* out = static_cast<const T*>(p.o) + b * p.o_batch_stride + n * p.o_head_stride;
+    const int t_end = min(u % chunks * unit_rows + unit_rows, t_pad);
+    int counted = 0;
+    for (int r0 = u % chunks * unit_rows + warp * Cfg::kRound; r0 < t_end;
+         r0 += Cfg::kWarps * Cfg::kRound) {
+      counted += min(Cfg::kRound, t_pad - r0);
+#pragma unroll
+      for (int i0 = 0; i0 < Cfg::kIters; i0 += kBatch) {
+        // kBatch rows of this lane: loads first, then dq_accum's zeros, then the sums
+        uint4 d[kBatch][Cfg::kChunks], o[kBatch][Cfg::kChunks];
+        float lse[kBatch], dlse[kBatch];
+        int t[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          t[i] = r0 + (i0 + i) * Cfg::kRowsIter + lane / kLanes;
+          lse[i] = t[i] < t_len ? p.lse[bn * p.t + t[i]] : -INFINITY;
+          dlse[i] = t[i] < t_len && p.dlse ? p.dlse[bn * p.t + t[i]] : 0.f;
+          if (t[i] >= t_len) continue;
+#pragma unroll
+          for (int h = 0; h < Cfg::kChunks; ++h) {
+            d[i][h] = __ldcs(reinterpret_cast<const uint4*>(dout + t[i] * p.do_row_stride) +
+                             row_lane + kLanes * h);
+            o[i][h] = __ldcs(reinterpret_cast<const uint4*>(out + t[i] * p.o_row_stride) +
+                             row_lane + kLanes * h);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          if (t[i] >= t_len) continue;
+          float4* dqa = reinterpret_cast<float4*>(p.dq_accum + ((b * p.t + t[i]) * p.n + n) * kHeadDim);
+#pragma unroll
+          for (int h = 0; h < kHeadDim / 4 / kLanes; ++h)
+            dqa[row_lane + kLanes * h] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          float acc = 0.f;
+          if (t[i] < t_len) {
+#pragma unroll
+            for (int h = 0; h < Cfg::kChunks; ++h) {
+              const uint32_t dw[4] = {d[i][h].x, d[i][h].y, d[i][h].z, d[i][h].w};
+              const uint32_t ow[4] = {o[i][h].x, o[i][h].y, o[i][h].z, o[i][h].w};
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const float2 df = bwd::unpack2<T>(dw[k]), of = bwd::unpack2<T>(ow[k]);
+                acc += of.x * df.x + of.y * df.y;
+              }
+            }
+          }
+#pragma unroll
+          for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+          if (row_lane == 0 && t[i] < t_pad) {
+            p.lse_log2[bn * t_pad + t[i]] = lse[i] == -INFINITY ? INFINITY : lse[i] * kLog2e;
+            p.delta[bn * t_pad + t[i]] = t[i] < t_len ? acc - dlse[i] : 0.f;
+          }
+        }
+      }
+    }
+    // The warp's rows are written (its lanes' stores before lane 0's release).
+    __syncwarp();
+    if (lane == 0 && counted > 0) red_add_release(p.prep_done + pair, counted);
+  }
+}
+
 }  // namespace sm90
 
 // The (b, kv head) pairs in a section of the backward's grid (the kernel's blockIdx order).
@@ -1019,8 +1169,28 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
-  bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
   const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
+  const int sec_pairs = bwd_section_pairs(q, key_tiles, kCausal);
+  // The preprocess beside the main kernel (prep_beside_kernel) where the main kernel takes
+  // more than two waves and its pass would zero dq_accum (variants: the pass before).
+  using Prep = sm90::PrepBeside<kHeadDim>;
+  const int sms = sm_count();
+  const int64_t pairs = p.b * p.kh;
+  if (!live_variant(p) && !p.deterministic && !q.dq_first_store && !p.o_f32 && p.prep_done &&
+      grid > 2 * sms && p.b * p.n * q.t_pad < INT_MAX && sms > 2 * Prep::kPersistent) {
+    q.prep_rows = static_cast<int>(q.t_pad * (p.n / p.kh));
+    // The first wave's pairs: a section, or the pairs of the first (sms - kPersistent) CTAs.
+    const int64_t first = std::min(
+        pairs, std::max<int64_t>(sec_pairs, (sms - Prep::kPersistent + key_tiles - 1) / key_tiles));
+    auto prep = sm90::prep_beside_kernel<T, kHeadDim>;
+    if (cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, Prep::kSmem) !=
+        cudaSuccess)
+      return false;
+    cudaMemsetAsync(p.prep_done, 0, pairs * sizeof(int), stream);
+    prep<<<sms, Prep::kThreads, Prep::kSmem, stream>>>(q, Prep::kPersistent, static_cast<int>(first));
+  } else {
+    bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
+  }
   // Deterministic attention whose key tiles all walk all query tiles (plain, or segment ids
   // alone) in rotated walks where a pair's CTAs fit twice over on the SMs: +5-20% at 1k-4k
   // (D=64-256); level to 2% slower where a pair takes half the SMs or more (its CTAs start
@@ -1038,8 +1208,7 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) == cudaSuccess)
     launch_dependent(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, q, tma_q, tma_k,
-                          tma_v, tma_do, tma_dq, static_cast<int>(key_tiles),
-                          bwd_section_pairs(q, key_tiles, kCausal));
+                          tma_v, tma_do, tma_dq, static_cast<int>(key_tiles), sec_pairs);
   bwd::launch_convert_dq<T, kHeadDim>(p, stream, /*dependent=*/true);
   return true;
 }
