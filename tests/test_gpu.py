@@ -111,6 +111,8 @@ def _grads_against_reference(shape, is_causal, deterministic=False, seeds=(0, 1)
   returns the last seed's, and a function that computes them again. `rules`: more arguments
   of both (lengths, window, alignment, segment ids)."""
   B, T, S, N, K, H = shape
+  if H not in _ffi.cuda_bwd_head_dims():
+    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
   grads = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(jaxflash.attention(
       q, k, v, is_causal=is_causal, implementation="cuda", deterministic_backward=deterministic,
       **rules).astype(jnp.float32) * do), (0, 1, 2)))
@@ -154,8 +156,6 @@ def test_causal_grads_without_zeroed_dq_accum(shape):
                                    (2, 1000, 3000, 16, 8, 128), (1, 4100, 4100, 8, 8, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_preprocess_beside_main_kernel(shape, is_causal):
-  if shape[-1] not in _ffi.cuda_bwd_head_dims():
-    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
   _grads_against_reference(shape, is_causal)
 
 
@@ -169,8 +169,6 @@ def test_preprocess_beside_main_kernel(shape, is_causal):
                                    (1, 1000, 1000, 4, 4, 256), (1, 300, 4500, 4, 2, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_deterministic_backward_plain_and_causal(shape, is_causal):
-  if shape[-1] not in _ffi.cuda_bwd_head_dims():
-    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
   _assert_same_bits(*_grads_against_reference(shape, is_causal, deterministic=True, seeds=(0,)))
 
 
@@ -211,8 +209,6 @@ DETERMINISTIC_RULES = {
 @pytest.mark.parametrize("H", [64, 128])
 @pytest.mark.parametrize("case", list(DETERMINISTIC_RULES))
 def test_deterministic_backward_rules(case, H):
-  if H not in _ffi.cuda_bwd_head_dims():
-    pytest.skip("head dim not in this build (JAXFLASH_HEAD_DIMS)")
   rules = DETERMINISTIC_RULES[case]()
   is_causal = rules.pop("is_causal")
   _assert_same_bits(*_grads_against_reference((B_RULES, T_RULES, S_RULES, 8, 2, H), is_causal,
