@@ -81,6 +81,18 @@ struct FwdParams {
   int64_t group() const { return n / kh; }  // query heads per kv head
 };
 
+// Slots of the sm90 backward's grid that convert dq (dq = scale * dq_accum) for groups of
+// `pairs` consecutive (b, kv head) pairs, whole sections of its CTA order, once the group's
+// CTAs are done: the slots of group j follow group j + lag's CTAs, the last groups' come after
+// every CTA, then each group's rows [rows, T), which the deferred key tiles also reach.
+struct DqSlots {
+  int* done = nullptr;  // (groups, 2): the group's CTAs done, of key tiles before the deferred, of those
+  int pairs = 0, groups = 0, lag = 0;
+  int rows = 0;                     // rows [0, rows) see no deferred key tile
+  int mid_rows = 0, end_rows = 0;   // rows of [0, rows) a slot: among the CTAs, after them
+  int def_rows = 0;                 // rows of [rows, T) a slot (0: rows == T)
+};
+
 struct BwdParams : FwdParams {
   const void* dout;   // (B, T, N, Hv)
   const float* dlse;  // (B, N, T): cotangent of lse, or null for zeros (lse not an output)
@@ -113,9 +125,13 @@ struct BwdParams : FwdParams {
   bool rotate_walk = false;
   // The sm90 backward's preprocess beside its main kernel (run_bwd_sm90): (B, K) counts of the
   // query rows (of [0, t_pad), over the kv head's group) done, zeroed before each call; the
-  // main kernel waits for prep_rows of them (0: the pass runs before it).
+  // main kernel waits for prep_rows of them (0: the pass runs before it). The same workspace
+  // holds dq_slots.done after them.
   int* prep_done = nullptr;
   int prep_rows = 0;
+  // The sm90 backward's dq conversion by slots of its main kernel's own grid (run_bwd_sm90);
+  // done null: the conversion pass runs after the kernel.
+  DqSlots dq_slots;
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;

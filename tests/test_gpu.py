@@ -148,12 +148,15 @@ def test_causal_grads_without_zeroed_dq_accum(shape):
 
 
 # Backwards whose preprocess runs beside the main kernel (sm90, more than two waves of CTAs past
-# the first-store tickets): each main CTA waits for its (b, kv head) pair's rows. Causal and
-# plain, GQA, ragged rows, fewer queries than keys; two calls, the second on the first's
-# workspace.
+# the first-store tickets): each main CTA waits for its (b, kv head) pair's rows, and slots of
+# its grid convert dq group by group once the group's CTAs are done (DqSlots: the last shapes
+# have slots among the CTAs, the others only after them). Causal and plain, GQA, ragged rows,
+# fewer queries than keys; two calls, the second on the first's workspace.
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(2, 2100, 2100, 16, 8, 128), (4, 1500, 1500, 8, 8, 64),
-                                   (2, 1000, 3000, 16, 8, 128), (1, 4100, 4100, 8, 8, 256)],
+                                   (2, 1000, 3000, 16, 8, 128), (1, 4100, 4100, 8, 8, 256),
+                                   (4, 2500, 2500, 16, 8, 128), (2, 2500, 2500, 24, 24, 64),
+                                   (2, 4100, 4100, 16, 16, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_preprocess_beside_main_kernel(shape, is_causal):
   _grads_against_reference(shape, is_causal)

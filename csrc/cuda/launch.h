@@ -141,7 +141,7 @@ inline BwdWorkspace bwd_workspace(const BwdParams& p) {
   if (p.bias && !dbias_direct(p) && !p.deterministic) w.dbias_accum = bias_elements(p);
   if (p.alibi_slopes) w.dalibi_accum = p.b * p.n * key_tiles;
   w.dq_ticket = dq_tickets(p);
-  w.prep_done = p.b * p.kh;
+  w.prep_done = 3 * p.b * p.kh;  // the pass's counts, then DqSlots::done (2 a group at most)
   if (p.deterministic) {
     w.dq_turn = p.b * p.n * ((p.t + block_m - 1) / block_m);
     if (p.q_segment_ids) w.kv_seg_range = p.b * key_tiles * 2;

@@ -2,7 +2,8 @@
 // The passes around the main kernel are the sm80 backward's (../flash_bwd.cuh): delta and
 // dq_accum = 0 before (no zeros where the kernel stores each tile's first dQ: kFirstStore),
 // dq = scale * dq_accum after. The main kernel and the conversion are programmatic dependent
-// launches, each of the kernel before it (run_bwd_sm90).
+// launches, each of the kernel before it; past two waves of CTAs the preprocess runs beside the
+// main kernel and slots of the main kernel's own grid convert dq (run_bwd_sm90).
 //
 // A CTA of 3 warpgroups is K/V-stationary: it owns kBlockN = 128 keys of one (batch b, kv head)
 // and loops over the query heads of its group and their (kBlockM, H) query tiles:
@@ -155,6 +156,136 @@ struct BwdCfgSm90 {
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
 };
 
+// Where block x of a backward grid with dq slots (DqSlots) falls: the CTA of index `main` in
+// section_tile_deferred's order, or (main < 0) a slot of group `group` that converts its rows
+// [t0, t1), past DqSlots::rows when `deferred_rows`. per_group: a group's CTAs before the
+// deferred key tiles (all groups but the last are whole); ctas: every CTA. Regions, in order:
+// groups 0 .. G - 2, each followed (from group lag on) by the slots of group j - lag; the
+// rest of the CTAs; the slots of the groups that had none yet; every group's deferred rows.
+struct GridPlace {
+  int main, group, t0, t1;
+  bool deferred_rows;
+};
+__device__ __forceinline__ GridPlace grid_place(unsigned x, const DqSlots& s, unsigned per_group,
+                                                unsigned ctas, unsigned t_len) {
+  GridPlace g{-1, 0, 0, 0, false};
+  const unsigned groups = s.groups, lag = min(static_cast<unsigned>(s.lag), groups - 1);
+  const unsigned mid_groups = groups - 1 - lag;
+  const unsigned mid = (s.rows + s.mid_rows - 1) / s.mid_rows;  // slots a group among the CTAs
+  const unsigned lead = lag * per_group, region = (groups - 1) * per_group + mid_groups * mid;
+  if (x < lead) {
+    g.main = static_cast<int>(x);
+    return g;
+  }
+  if (x < region) {
+    const unsigned y = x - lead, k = y / (per_group + mid), r = y % (per_group + mid);
+    if (r < per_group) {
+      g.main = static_cast<int>(lead + k * per_group + r);
+      return g;
+    }
+    g.group = static_cast<int>(k);
+    g.t0 = static_cast<int>((r - per_group) * s.mid_rows);
+    g.t1 = min(g.t0 + s.mid_rows, s.rows);
+    return g;
+  }
+  unsigned z = x - region;
+  const unsigned rest = ctas - (groups - 1) * per_group;
+  if (z < rest) {
+    g.main = static_cast<int>((groups - 1) * per_group + z);
+    return g;
+  }
+  z -= rest;
+  const unsigned end = (s.rows + s.end_rows - 1) / s.end_rows;
+  if (z < (groups - mid_groups) * end) {
+    g.group = static_cast<int>(mid_groups + z / end);
+    g.t0 = static_cast<int>(z % end * s.end_rows);
+    g.t1 = min(g.t0 + s.end_rows, s.rows);
+    return g;
+  }
+  z -= (groups - mid_groups) * end;
+  const unsigned def = (t_len - s.rows + s.def_rows - 1) / s.def_rows;
+  g.group = static_cast<int>(z / def);
+  g.t0 = static_cast<int>(s.rows + z % def * s.def_rows);
+  g.t1 = min(g.t0 + s.def_rows, static_cast<int>(t_len));
+  g.deferred_rows = true;
+  return g;
+}
+
+// A dq slot (grid_place): once its group's CTAs are done (those of the deferred key tiles too
+// for rows past DqSlots::rows), dq[b, t, n] = scale * dq_accum[b, t, n] for t in [t0, t1) and
+// the group's query heads, a token's heads side by side (adjacent in dq_accum within a batch).
+// Each thread steps through its rows without divisions (the heads' offsets in shared memory),
+// 64 bytes of a row (D=128) at a time: with the row decoded per 16 bytes the slots moved 18 GB/s
+// an SM, bound by the index arithmetic.
+template <typename T, int kHeadDim, int kThreads>
+__device__ __forceinline__ void convert_dq_slot(const BwdParams& p, const GridPlace& g,
+                                                int key_tiles, int deferred, unsigned char* smem) {
+  const DqSlots& s = p.dq_slots;
+  const int group_q = static_cast<int>(p.n / p.kh), n_heads = static_cast<int>(p.n);
+  const int pair0 = g.group * s.pairs, pairs = min(s.pairs, static_cast<int>(p.b * p.kh) - pair0);
+  const int heads = pairs * group_q;
+  int64_t* src_at = reinterpret_cast<int64_t*>(smem);  // (heads): head hh's row at token 0
+  int64_t* dst_at = src_at + heads;
+  for (int hh = threadIdx.x; hh < heads; hh += kThreads) {
+    const int q = pair0 * group_q + hh, b = q / n_heads, n = q % n_heads;  // q = b N + n
+    src_at[hh] = (b * p.t * p.n + n) * kHeadDim;
+    dst_at[hh] = b * p.dq_batch_stride + n * p.dq_head_stride;
+  }
+  if (threadIdx.x == 0) {
+    int* done = s.done + 2 * g.group;
+    while (bwd::ld_acquire(done) != pairs * (key_tiles - deferred)) __nanosleep(256);
+    if (g.deferred_rows)
+      while (bwd::ld_acquire(done + 1) != pairs * deferred) __nanosleep(256);
+  }
+  __syncthreads();  // (thread 0's acquire, then the barrier, orders every thread's loads)
+  // Rows (token, head of the group), the head fastest; a row's kChunks float4 pieces on
+  // kLanesRow lanes (128 bytes of the row at a time).
+  constexpr int kChunks = kHeadDim / 4, kLanesRow = 8;
+  constexpr int kRowsWarp = 32 / kLanesRow, kPerLane = kChunks / kLanesRow;
+  constexpr int kStep = kThreads / 32 * kRowsWarp;  // rows from one of a thread's to the next
+  // Rows a thread has in flight: 24 float4 pieces (16: the slots cost ~1% more than the pass
+  // they replace at 4k causal, ncu; 32 spill).
+  constexpr int kBatch = 24 / kPerLane;
+  const int lane = threadIdx.x % 32, col = 4 * (lane % kLanesRow);
+  const int rows = (g.t1 - g.t0) * heads, dt = kStep / heads, dh = kStep % heads;
+  const int64_t token = p.n * kHeadDim;  // dq_accum's row stride
+  const float scale = p.scale;
+  int r = threadIdx.x / 32 * kRowsWarp + lane / kLanesRow;
+  int t = g.t0 + r / heads, hh = r % heads;
+  for (; r < rows; r += kStep * kBatch) {
+    float4 v[kBatch][kPerLane];
+    int64_t dst[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (r + k * kStep < rows) {
+        const float* src = p.dq_accum + src_at[hh] + t * token + col;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j)
+          v[k][j] = __ldcg(reinterpret_cast<const float4*>(src + 4 * kLanesRow * j));
+        dst[k] = dst_at[hh] + t * p.dq_row_stride + col;
+      }
+      hh += dh;
+      t += dt;
+      if (hh >= heads) hh -= heads, ++t;
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (r + k * kStep >= rows) continue;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const float4 x = v[k][j];
+        const int64_t at = dst[k] + 4 * kLanesRow * j;
+        if (p.grads_f32)
+          *reinterpret_cast<float4*>(static_cast<float*>(p.dq) + at) =
+              make_float4(x.x * scale, x.y * scale, x.z * scale, x.w * scale);
+        else
+          *reinterpret_cast<uint2*>(static_cast<T*>(p.dq) + at) =
+              make_uint2(pack2<T>(x.x * scale, x.y * scale), pack2<T>(x.z * scale, x.w * scale));
+      }
+    }
+  }
+}
+
 template <typename T, int kHeadDim, bool kCausal, bool kRules, bool kFirstStore = false>
 __global__ void __launch_bounds__(384, 1)
     flash_bwd_sm90_kernel(const BwdParams p, const __grid_constant__ CUtensorMap tma_q,
@@ -213,8 +344,22 @@ __global__ void __launch_bounds__(384, 1)
   // idle: D=128 +0.9% at 16k causal, +0.4-0.7% at 4k-8k (medians of A/B rounds; a quarter:
   // 4k slower; thirty-ninth).
   const bool last_first = kCausal && !kFirstStore && !det;
-  const int2 st = section_tile_deferred(blockIdx.x, sec_pairs, static_cast<unsigned>(p.b * p.kh),
-                                        key_tiles, last_first ? key_tiles / 8 : 0);
+  const int deferred = last_first ? key_tiles / 8 : 0;
+  const unsigned pairs = static_cast<unsigned>(p.b * p.kh);
+  // With dq slots (run_bwd_sm90) some blocks convert dq instead.
+  int main_idx = static_cast<int>(blockIdx.x);
+  if constexpr (!kRules) {
+    if (p.dq_slots.done) {
+      const GridPlace g = grid_place(blockIdx.x, p.dq_slots, p.dq_slots.pairs * (key_tiles - deferred),
+                                     pairs * key_tiles, t_len);
+      if (g.main < 0) {
+        convert_dq_slot<T, kHeadDim, Cfg::kThreads>(p, g, key_tiles, deferred, smem);
+        return;
+      }
+      main_idx = g.main;
+    }
+  }
+  const int2 st = section_tile_deferred(main_idx, sec_pairs, pairs, key_tiles, deferred);
   const int key_tile = det ? key_tiles - 1 - st.x : st.x;
   const int n0 = key_tile * kBlockN;
   const int64_t bkh = st.y;
@@ -511,6 +656,12 @@ __global__ void __launch_bounds__(384, 1)
             }
           }
           if constexpr (kRules) __syncwarp();
+        }
+        if (!kRules && p.dq_slots.done) {  // this CTA's adds are complete: its group's count
+          bulk_wait_all();
+          fence_proxy_async_global();
+          const int group_at = 2 * (static_cast<int>(bkh) / p.dq_slots.pairs);
+          red_add_release(p.dq_slots.done + group_at + (key_tile >= key_tiles - deferred), 1);
         }
       }
     } else if (warp == 2 && beside && lane == 0 && n_steps > 0) {
@@ -1134,6 +1285,34 @@ inline int bwd_section_pairs(const BwdParams& p, int64_t key_tiles, bool causal)
   return static_cast<int>(std::min(w, pairs));
 }
 
+// The dq slots of run_bwd_sm90's grid (DqSlots, but for `done`) where its CTAs are
+// `key_tiles` a pair, the last `deferred` of them after all the sections; returns the grid's
+// blocks with them (0: no slots).
+inline int64_t plan_dq_slots(DqSlots& s, const BwdParams& p, int64_t key_tiles, int64_t deferred,
+                             int sec_pairs, int block_n, int sms) {
+  auto up = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t pairs = p.b * p.kh;
+  // A group: whole sections, about a wave of CTAs.
+  s.pairs = sec_pairs * static_cast<int>(std::max<int64_t>(1, sms / key_tiles / sec_pairs));
+  // (the slot's table of its heads' offsets: 16 bytes a head in shared memory)
+  if (s.pairs * (p.n / p.kh) > 4096) return 0;
+  s.groups = static_cast<int>(up(pairs, s.pairs));
+  // Two waves of CTAs between a group's last CTA and its slots: under causal masking its
+  // longest CTA (its first) runs for about two waves of the others.
+  s.lag = static_cast<int>(up(2 * sms, s.pairs * (key_tiles - deferred)));
+  s.rows = static_cast<int>(std::min<int64_t>(p.t, (key_tiles - deferred) * block_n));
+  // About 1 MB of dq_accum a slot among the CTAs; 256 KB after them, where they fill the SMs
+  // that the last CTAs leave.
+  const int64_t token_bytes = s.pairs * (p.n / p.kh) * p.h * 4;
+  s.mid_rows = static_cast<int>(std::max<int64_t>(1, (int64_t{1} << 20) / token_bytes));
+  s.end_rows = static_cast<int>(std::max<int64_t>(1, (int64_t{256} << 10) / token_bytes));
+  s.def_rows = s.rows < p.t ? s.end_rows : 0;
+  const int64_t lag = std::min(s.lag, s.groups - 1), mid_groups = s.groups - 1 - lag;
+  return pairs * key_tiles + mid_groups * up(s.rows, s.mid_rows) +
+         (s.groups - mid_groups) * up(s.rows, s.end_rows) +
+         (s.def_rows ? s.groups * up(p.t - s.rows, s.def_rows) : 0);
+}
+
 // The sm90 backward on `stream`: preprocess, the main kernel above, convert; false (nothing
 // launched) when the TMA descriptors cannot be built. Preconditions (select.h use_bwd_sm90):
 // a cc 9.x device, no variant but the key-range rules (rules.cuh), H == Hv == kHeadDim, T,
@@ -1169,7 +1348,7 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
-  const int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
+  int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
   const int sec_pairs = bwd_section_pairs(q, key_tiles, kCausal);
   // The preprocess beside the main kernel (prep_beside_kernel) where the main kernel takes
   // more than two waves and its pass would zero dq_accum (variants: the pass before).
@@ -1186,7 +1365,18 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     if (cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, Prep::kSmem) !=
         cudaSuccess)
       return false;
-    cudaMemsetAsync(p.prep_done, 0, pairs * sizeof(int), stream);
+    // dq converted by slots of the main kernel's grid, each after its group's CTAs (DqSlots):
+    // most of the conversion pass's bytes move while the main kernel runs, a few SMs at a time,
+    // and the pass's launch after the main kernel's last CTA goes. H200, D=128: +1-2% at 16k
+    // causal, +2% at 4k plain, +5% at 1k plain, level at 4k causal (NOTES.md, forty-sixth
+    // session).
+    const int64_t slot_grid = plan_dq_slots(q.dq_slots, q, key_tiles, kCausal ? key_tiles / 8 : 0,
+                                            sec_pairs, Cfg::kBlockN, sms);
+    if (slot_grid > 0) {
+      grid = slot_grid;
+      q.dq_slots.done = p.prep_done + pairs;
+    }
+    cudaMemsetAsync(p.prep_done, 0, (pairs + 2 * q.dq_slots.groups) * sizeof(int), stream);
     prep<<<sms, Prep::kThreads, Prep::kSmem, stream>>>(q, Prep::kPersistent, static_cast<int>(first));
   } else {
     bwd::launch_preprocess<T, kHeadDim, kHeadDim>(q, stream);
@@ -1209,7 +1399,7 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
                            Cfg::kSmemBytes) == cudaSuccess)
     launch_dependent(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, q, tma_q, tma_k,
                           tma_v, tma_do, tma_dq, static_cast<int>(key_tiles), sec_pairs);
-  bwd::launch_convert_dq<T, kHeadDim>(p, stream, /*dependent=*/true);
+  if (!q.dq_slots.done) bwd::launch_convert_dq<T, kHeadDim>(p, stream, /*dependent=*/true);
   return true;
 }
 
