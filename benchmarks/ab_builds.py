@@ -147,9 +147,11 @@ def main(argv=None):
     for n, e in failed.items():
       print(f"  {n}: {e}")
     for rep in range(args.repeats):
-      fwd = bench.medians_together({n: c[0] for n, c in calls.items()}, reps=args.reps)
+      f_mhz, b_mhz = {}, {}
+      fwd = bench.medians_together({n: c[0] for n, c in calls.items()}, reps=args.reps,
+                                   clocks=f_mhz)
       bwd = bench.medians_together({n: c[1] for n, c in calls.items() if c[1] is not None},
-                                   reps=args.reps) if backward else {}
+                                   reps=args.reps, clocks=b_mhz) if backward else {}
       tf = lambda t, d: bench.flops(B, N, S, S, D, causal, d) / t / 1e12
       cells = [f"{tf(fwd[n], 'fwd'):.0f}/" + (f"{tf(bwd[n], 'bwd'):.0f}" if n in bwd else "-")
                if n in fwd else "-" for n in names + list(others)]
@@ -158,6 +160,10 @@ def main(argv=None):
       row = f"| {D} | {S} | {'y' if causal else 'n'} | " + " | ".join(cells + ratios) + " |"
       rows.append(row)
       print(row, flush=True)
+      if f_mhz:  # the kernels' own clocks: the machines' power states differ
+        print("  SM MHz at the batches' ends fwd/bwd: " + ", ".join(
+            f"{n} {f_mhz[n]:.0f}/" + (f"{b_mhz[n]:.0f}" if n in b_mhz else "-")
+            for n in names + list(others) if n in f_mhz), flush=True)
     del calls
   print("\nTFLOP/s fwd/bwd (medians of interleaved rounds); build/base > 1 means faster")
   print(header)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import statistics
 import sys
 import time
@@ -19,13 +21,39 @@ def flops(B, N, T, S, H, is_causal, direction="fwd"):
   return f * (2.5 if direction == "bwd" else 1.0)
 
 
-def medians_together(calls, warmup=3, reps=10):
+@functools.cache
+def sm_clock():
+  """() -> the SM clock of the visible GPU in MHz, read through NVML (the driver's library),
+  or None where there is no NVML (CPU machines). The GPU is NVML's index 0, or the first of
+  CUDA_VISIBLE_DEVICES when that names one by index."""
+  try:
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+  except OSError:
+    return None
+  first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+  handle = ctypes.c_void_p()
+  if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(
+      int(first) if first.isdigit() else 0, ctypes.byref(handle)) != 0:
+    return None
+
+  def read():
+    mhz = ctypes.c_uint()
+    return mhz.value if nvml.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(mhz)) == 0 else None  # 1: SM
+  return read
+
+
+def medians_together(calls, warmup=3, reps=10, clocks=None, clock=None):
   """{name: median wall time of fn(*args)} of calls {name: (fn, args)}, warm: `reps` rounds,
   each timing one batch of every call in turn (the order rotated from round to round), so
   that drifts of the clocks fall on all the calls alike. A batch queues enough calls to hide
-  dispatch and sync (~20 ms)."""
+  dispatch and sync (~20 ms). With a dict `clocks`, it also gets {name: median SM clock in
+  MHz at the ends of the call's batches}, read by `clock` (default sm_clock(); nothing where
+  that is None): under the GPU's power cap each kernel runs at a clock of its own, so work per
+  cycle is the time times the clock."""
   if not calls:
     return {}
+  clock = clock or (sm_clock() if clocks is not None else None)
+  mhz = {name: [] for name in calls}
   batches = {}
   for name, (fn, args) in calls.items():
     for _ in range(warmup):
@@ -42,6 +70,10 @@ def medians_together(calls, warmup=3, reps=10):
         out = fn(*args)
       jax.block_until_ready(out)
       times[name].append((time.perf_counter() - t0) / batches[name])
+      if clock is not None and (c := clock()) is not None:
+        mhz[name].append(c)
+  if clocks is not None:
+    clocks.update({name: statistics.median(m) for name, m in mhz.items() if m})
   return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -35,6 +35,19 @@ def test_medians_together_rotates_the_order_each_round():
   assert bench.medians_together({}) == {}
 
 
+def test_medians_together_reads_the_clock_after_each_batch():
+  ticks = iter(range(100, 200))
+  clocks = {}
+  call = (lambda x: x + 1, (jnp.ones(4),))
+  bench.medians_together({"a": call, "b": call}, warmup=1, reps=3, clocks=clocks,
+                         clock=lambda: next(ticks))
+  # rounds a b, b a, a b: a reads 100, 103, 104 and b 101, 102, 105
+  assert clocks == {"a": 103, "b": 102}
+  none = {}
+  bench.medians_together({"a": call}, warmup=1, reps=2, clocks=none, clock=lambda: None)
+  assert none == {}
+
+
 def test_measure_point_times_only_right_outputs():
   right = lambda q, k, v, c: jaxflash.attention(q, k, v, is_causal=c, implementation="xla")
   wrong_out = lambda q, k, v, c: right(q, k, v, c) + 1.0
