@@ -90,7 +90,9 @@ struct DqSlots {
   int pairs = 0, groups = 0, lag = 0;
   int rows = 0;                     // rows [0, rows) see no deferred key tile
   int mid_rows = 0, end_rows = 0;   // rows of [0, rows) a slot: among the CTAs, after them
-  int def_rows = 0;                 // rows of [rows, T) a slot (0: rows == T)
+  // Rows of [rows, T) a slot (0: rows == T; else end_rows, but the kernel's reading it from
+  // here keeps the consumers' step loop as it was measured: derived there, ptxas reordered it).
+  int def_rows = 0;
 };
 
 struct BwdParams : FwdParams {

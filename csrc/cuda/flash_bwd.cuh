@@ -152,16 +152,21 @@ struct RowChunks {
 // (sm90/flash_bwd_sm90.cuh, kFirstStore).
 constexpr int kDqTicketDone = 1 << 30;
 
+// lse in log2 units, +inf where P = 0 (a row that sees no key: 2^(s - inf) = 0).
+__device__ __forceinline__ float lse_log2_of(float lse) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
 // The sm90 backward's padded rows (BwdParams::t_pad), element idx of (B, N, t_pad) in address
 // order: lse_log2[b, n, t] = lse * log2(e), +inf where P = 0 (no visible key, t past T or the
 // query length: sm90/rules.cuh), and delta = 0 at t past T.
 __device__ __forceinline__ void lse_row(const BwdParams& p, int64_t idx) {
-  constexpr float kLog2e = 1.4426950408889634f;
   if (idx >= p.b * p.n * p.t_pad) return;
   const int64_t bn = idx / p.t_pad, t = idx % p.t_pad, b = bn / p.n;
   const int64_t q_len = p.q_lengths ? max(int64_t{0}, min(int64_t{p.q_lengths[b]}, p.t)) : p.t;
   const float lse = t < q_len ? p.lse[bn * p.t + t] : -INFINITY;
-  p.lse_log2[idx] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+  p.lse_log2[idx] = lse_log2_of(lse);
   if (t >= p.t) p.delta[idx] = 0.f;
 }
 
@@ -694,7 +699,6 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
   constexpr int D = Cfg::kWidth, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kMi = Cfg::kMiS, kNjKV = Cfg::kNjKV, kWarpsKeys = Cfg::kWarpsKeys;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row of Q, dO, K, V tiles
-  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem);  // (N, D)
@@ -856,7 +860,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
           for (int h = 0; h < 2; ++h) {
             const int qr = s_q0 + 16 * i + 8 * h + g;
             const float lse = tLse[qr];
-            const float lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+            const float lse_log2 = lse_log2_of(lse);
             const uint32_t row_hash = p.dropout_seeds ? v.drop_row(qr) : 0u;
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -881,7 +885,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
           for (int h = 0; h < 2; ++h) {
             const int qr = s_q0 + 16 * i + 8 * h + g;
             const float lse = tLse[qr];
-            const float lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+            const float lse_log2 = lse_log2_of(lse);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               float pv[2];
@@ -1140,7 +1144,6 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) dbias_kernel(con
   using Cfg = Tiles<kHeadDim>;
   constexpr int D = Cfg::kWidth, M = Cfg::kBlockM, N = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int kMi = Cfg::kMiS;
-  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem);  // (N, D)
@@ -1236,7 +1239,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) dbias_kernel(con
       for (int h = 0; h < 2; ++h) {
         const int qr = s_q0 + 16 * i + 8 * h + g;
         const float lse = sLse[qr], dl = sDelta[qr];
-        const float lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+        const float lse_log2 = lse_log2_of(lse);
         const uint32_t row_hash = p.dropout_seeds ? v.drop_row(qr) : 0u;
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj)

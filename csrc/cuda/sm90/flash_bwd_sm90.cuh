@@ -156,6 +156,12 @@ struct BwdCfgSm90 {
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
 };
 
+// The key tiles of a pair that the causal backward's descending walks run after all the
+// sections: its shortest eighth (run_bwd_sm90 sizes the dq slots by it too).
+__host__ __device__ constexpr int deferred_key_tiles(int64_t key_tiles) {
+  return static_cast<int>(key_tiles / 8);
+}
+
 // Where block x of a backward grid with dq slots (DqSlots) falls: the CTA of index `main` in
 // section_tile_deferred's order, or (main < 0) a slot of group `group` that converts its rows
 // [t0, t1), past DqSlots::rows when `deferred_rows`. per_group: a group's CTAs before the
@@ -344,7 +350,7 @@ __global__ void __launch_bounds__(384, 1)
   // idle: D=128 +0.9% at 16k causal, +0.4-0.7% at 4k-8k (medians of A/B rounds; a quarter:
   // 4k slower; thirty-ninth).
   const bool last_first = kCausal && !kFirstStore && !det;
-  const int deferred = last_first ? key_tiles / 8 : 0;
+  const int deferred = last_first ? deferred_key_tiles(key_tiles) : 0;
   const unsigned pairs = static_cast<unsigned>(p.b * p.kh);
   // With dq slots (run_bwd_sm90) some blocks convert dq instead.
   int main_idx = static_cast<int>(blockIdx.x);
@@ -1183,7 +1189,6 @@ __global__ void __launch_bounds__(PrepBeside<kHeadDim>::kThreads, 1)
     prep_beside_kernel(const BwdParams p, int persistent, int first_pairs) {
   using Cfg = PrepBeside<kHeadDim>;
   constexpr int kLanes = Cfg::kLanes, kBatch = Cfg::kBatch;
-  constexpr float kLog2e = 1.4426950408889634f;
   pdl_trigger();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row_lane = lane % kLanes;  // this lane's chunks of its row: row_lane + kLanes h
@@ -1251,7 +1256,7 @@ __global__ void __launch_bounds__(PrepBeside<kHeadDim>::kThreads, 1)
 #pragma unroll
           for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
           if (row_lane == 0 && t[i] < t_pad) {
-            p.lse_log2[bn * t_pad + t[i]] = lse[i] == -INFINITY ? INFINITY : lse[i] * kLog2e;
+            p.lse_log2[bn * t_pad + t[i]] = bwd::lse_log2_of(lse[i]);
             p.delta[bn * t_pad + t[i]] = t[i] < t_len ? acc - dlse[i] : 0.f;
           }
         }
@@ -1287,7 +1292,7 @@ inline int bwd_section_pairs(const BwdParams& p, int64_t key_tiles, bool causal)
 
 // The dq slots of run_bwd_sm90's grid (DqSlots, but for `done`) where its CTAs are
 // `key_tiles` a pair, the last `deferred` of them after all the sections; returns the grid's
-// blocks with them (0: no slots).
+// blocks with them (0: no slots; s then unspecified).
 inline int64_t plan_dq_slots(DqSlots& s, const BwdParams& p, int64_t key_tiles, int64_t deferred,
                              int sec_pairs, int block_n, int sms) {
   auto up = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
@@ -1370,10 +1375,14 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     // and the pass's launch after the main kernel's last CTA goes. H200, D=128: +1-2% at 16k
     // causal, +2% at 4k plain, +5% at 1k plain, level at 4k causal (NOTES.md, forty-sixth
     // session).
-    const int64_t slot_grid = plan_dq_slots(q.dq_slots, q, key_tiles, kCausal ? key_tiles / 8 : 0,
+    // (past the tickets, not deterministic: the causal kernel defers its shortest key tiles)
+    DqSlots slots;
+    const int64_t slot_grid = plan_dq_slots(slots, q, key_tiles,
+                                            kCausal ? sm90::deferred_key_tiles(key_tiles) : 0,
                                             sec_pairs, Cfg::kBlockN, sms);
     if (slot_grid > 0) {
       grid = slot_grid;
+      q.dq_slots = slots;
       q.dq_slots.done = p.prep_done + pairs;
     }
     cudaMemsetAsync(p.prep_done, 0, (pairs + 2 * q.dq_slots.groups) * sizeof(int), stream);
