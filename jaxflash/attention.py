@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
 from jaxflash import _calls, _ffi, sharding
 from jaxflash.reference import (CAUSAL_ALIGNMENTS, attention_reference, dropout_seeds,
@@ -92,6 +94,51 @@ def _cuda_support(query, value) -> str | None:
   return None
 
 
+# A call pinned to one kernel (implementation='cpu' or 'cuda') runs it under
+# platform_dependent; on any other platform its branch ends in this identity, which raises
+# when that branch is lowered (only the lowering platform's branch is). XLA would otherwise
+# fail to compile with a missing FFI handler for the kernel's target.
+_PLATFORM_DEVICES = {"cpu": "CPU", "cuda": "NVIDIA GPU"}
+_wrong_platform_p = Primitive("jaxflash_wrong_platform")
+_wrong_platform_p.multiple_results = True
+
+
+def _wrong_platform_error(pinned, platforms):
+  other = "cuda" if pinned == "cpu" else "cpu"
+  return ValueError(
+      f"implementation={pinned!r} runs on {_PLATFORM_DEVICES[pinned]} devices only, but this "
+      f"computation runs on {', '.join(platforms)}: use implementation=None (the best kernel "
+      f"for the platform), {other!r} or 'xla', or place the arrays on a "
+      f"{_PLATFORM_DEVICES[pinned]} device")
+
+
+def _wrong_platform_lowering(ctx, *args, pinned):
+  raise _wrong_platform_error(pinned, ctx.module_context.platforms)
+
+
+_wrong_platform_p.def_abstract_eval(lambda *avals, pinned: avals)
+mlir.register_lowering(_wrong_platform_p, _wrong_platform_lowering)
+batching.primitive_batchers[_wrong_platform_p] = (
+    lambda args, dims, **kw: (_wrong_platform_p.bind(*args, **kw), dims))
+
+
+def _pinned(fn, pinned):
+  """fn on the platform of kernel `pinned`, the error above on any other."""
+  def wrong(*args):
+    arrays = jax.tree.leaves(args)
+    if not any(isinstance(x, jax.core.Tracer) for x in arrays):
+      # Run eagerly, platform_dependent picked the default device's branch; the arrays may
+      # sit on a device of the pinned platform all the same.
+      platforms = sorted({d.platform for x in arrays if isinstance(x, jax.Array)
+                          for d in x.devices()})
+      if platforms == [{"cuda": "gpu"}.get(pinned, pinned)]:
+        return fn(*args)
+      raise _wrong_platform_error(pinned, platforms)
+    leaves, tree = jax.tree.flatten(fn(*args))
+    return jax.tree.unflatten(tree, _wrong_platform_p.bind(*leaves, pinned=pinned))
+  return lambda *args: jax.lax.platform_dependent(*args, **{pinned: fn}, default=wrong)
+
+
 def _reference(q, k, v, ops, cfg: _Config):
   return attention_reference(
       q, k, v, bias=ops["bias"], mask=ops["mask"], scale=cfg.scale, is_causal=cfg.is_causal,
@@ -156,7 +203,7 @@ def _run_fwd(q, k, v, ops, cfg: _Config, keep_f32=False):
 
   def local(q, k, v, ops):
     if cfg.pinned:
-      return kernel(cfg.pinned)(q, k, v, ops)
+      return _pinned(kernel(cfg.pinned), cfg.pinned)(q, k, v, ops)
     return jax.lax.platform_dependent(q, k, v, ops, cpu=kernel("cpu"), cuda=kernel("cuda"),
                                       default=reference)
 
@@ -196,7 +243,7 @@ def _run_bwd(q, k, v, ops, out, lse, dout, dlse, cfg: _Config, out_f32=None, gra
     dl = arrays[6] if fixed == 7 else None
     args = (*arrays[:6], dl, ops, *arrays[fixed:])  # out_f32, when kept, last
     if cfg.pinned:
-      grads = kernel(cfg.pinned)(*args)
+      grads = _pinned(kernel(cfg.pinned), cfg.pinned)(*args)
     else:
       grads = jax.lax.platform_dependent(*args, cpu=kernel("cpu"), cuda=kernel("cuda"),
                                          default=reference_vjp)
@@ -292,12 +339,13 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       broadcast bias) in a fixed order instead of with atomics, at some cost in speed.
     implementation: None (the best kernel for the platform the computation lowers to:
       CUDA on GPUs where it covers the inputs, the C++ kernel on CPU, else 'xla'),
-      'cuda', 'cpu', or 'xla' (the pure-JAX reference). The CUDA kernels (float16 and
-      bfloat16) run every option above, forward and backward. The CUDA forward takes head
-      dims H, Hv in (32, 64, 96, 128, 192, 256) with Hv <= H (e.g. the MLA 192/128); the
-      CUDA backward the same H with Hv == H, and the MLA 192/128 (of the head dims built:
-      jaxflash._ffi.cuda_bwd_head_dims()). At another Hv < H (e.g. 128/64) a gradient
-      raises, a NotImplementedError with 'cuda' and the CUDA handler's error on GPU with
+      'cuda', 'cpu', or 'xla' (the pure-JAX reference). 'cuda' and 'cpu' run on their own
+      platform only (a ValueError where the computation runs on another). The CUDA kernels
+      (float16 and bfloat16) run every option above, forward and backward. The CUDA forward
+      takes head dims H, Hv in (32, 64, 96, 128, 192, 256) with Hv <= H (e.g. the MLA
+      192/128); the CUDA backward the same H with Hv == H, and the MLA 192/128 (of the head
+      dims built: jaxflash._ffi.cuda_bwd_head_dims()). At another Hv < H (e.g. 128/64) a
+      gradient raises, a NotImplementedError with 'cuda' and the CUDA handler's error on GPU with
       None, rather than fall back to the O(T * S) reference VJP.
     return_residual: also return the logsumexp, (B, N, T) float32 (differentiable); -inf on
       rows that see no key.

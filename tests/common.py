@@ -43,6 +43,16 @@ def on_device(impl):
     yield
 
 
+def on_host(test):
+  """Runs `test` with the CPU as the default device, for tests pinned to implementation='cpu'
+  (which runs on CPU devices only) that must pass on GPU machines too."""
+  @functools.wraps(test)
+  def wrapped(*args, **kwargs):
+    with on_device("cpu"):
+      return test(*args, **kwargs)
+  return wrapped
+
+
 def random_qkv(seed, B, T, S, N, K, H, dtype, Hv=None):
   """Fresh normal inputs (never zeros), generated in fp32 and rounded to dtype."""
   kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)

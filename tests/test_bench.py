@@ -13,6 +13,7 @@ import pytest
 
 import jaxflash
 from jaxflash import _ffi, bench
+from common import on_host
 
 POINT = (1, 96, 96, 2, 2, 32)  # B, T, S, N, K, H
 
@@ -82,6 +83,7 @@ def _ab_builds():
 
 
 @pytest.mark.skipif(not _ffi.cpu_built(), reason="needs the compiled extension")
+@on_host
 def test_ab_builds_runs_a_second_build_under_its_own_targets(tmp_path):
   """A second copy of the extension, loaded by ab_builds, serves every call traced inside
   renamed() (the custom_vjp's backward too) and gives the installed build's results."""

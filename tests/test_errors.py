@@ -143,3 +143,22 @@ def test_grad_at_forward_only_head_dims(fake_cuda_build, H, Hv):
     got = jax.jit(jax.grad(loss(fwd(None))))(q)
     want = jax.jit(jax.grad(loss(fwd("cpu"))))(q)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("pinned, other", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_pinned_kernel_on_another_platform(fake_cuda_build, pinned, other):
+  """A pinned kernel lowered for the other platform (lowering_platforms needs no such device
+  here) raises a ValueError naming the implementation, forward and gradient, instead of XLA's
+  missing FFI handler; on its own platform the same call lowers."""
+  q, k, v = random_qkv(1, 1, 16, 16, 2, 2, 64, jnp.bfloat16)
+  fwd = lambda q: jaxflash.attention(q, k, v, is_causal=True, implementation=pinned)
+  grad = jax.grad(lambda q: jnp.sum(fwd(q).astype(jnp.float32)))
+  for fn in (fwd, grad):
+    with pytest.raises(ValueError, match=rf"implementation='{pinned}' runs on .* devices only, "
+                                         rf"but this computation runs on {other}"):
+      jax.jit(fn).trace(q).lower(lowering_platforms=(other,))
+    hlo = jax.jit(fn).trace(q).lower(lowering_platforms=(pinned,)).as_text()
+    assert f"jaxflash_{'bwd' if fn is grad else 'fwd'}_{pinned}" in hlo
+  if jax.default_backend() == {"cuda": "gpu"}.get(other, other):  # eagerly, on the default device
+    with pytest.raises(ValueError, match=f"implementation='{pinned}' runs on"):
+      fwd(q)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from common import assert_accurate, gpu, on_device
+from common import assert_accurate, gpu, on_device, on_host
 from jaxflash.reference import attention_reference, dropout_keep, dropout_seeds
 
 B, T, S, N, K, H, HV = 2, 37, 70, 4, 2, 24, 16
@@ -353,6 +353,7 @@ def test_fully_masked_rows(impl):
   assert jnp.isfinite(lse[1, :, :5]).all()
 
 
+@on_host
 def test_vmap_and_vmap_of_grad():
   """vmap over a leading axis (bias unbatched, mask/lengths/segments/dropout keys batched)
   gives, per element, the unbatched call; and so does vmap of grad."""
@@ -396,6 +397,7 @@ def test_vmap_and_vmap_of_grad():
   np.testing.assert_allclose(jax.jit(jax.grad(loss))(bias), dbias_sum, rtol=1e-4, atol=1e-4)
 
 
+@on_host
 def test_dropout_mask_properties():
   """Reproducible per key, different across keys, and dropping at the requested rate."""
   seeds_a = dropout_seeds(jax.random.key(0), 2)
@@ -452,6 +454,7 @@ def test_deterministic_backward_is_bit_identical(impl, case):
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in first)
 
 
+@on_host
 def test_numeric_mask_attends_where_nonzero():
   """As in jax.nn (and Flax's float masks): a numeric mask means mask != 0."""
   mask = jax.random.bernoulli(jax.random.PRNGKey(9), 0.5, (B, 1, T, S))
