@@ -10,7 +10,8 @@ registered under a prefix of their own, so every build runs in the same rounds.
       --points 128:4096:c 64:1024:c --peers fa3j
 
 The installed jaxflash is the build named 'base'. Each point checks every build's outputs
-against base's (max abs difference) before timing.
+against base's (max abs difference) before timing. --sustained also times each implementation
+alone, sustained, at the clock its own power draw allows (bench.sustained).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--repeats", type=int, default=1, help="time each point this many times")
   p.add_argument("--no-bwd", action="store_true")
+  p.add_argument("--sustained", action="store_true",
+                 help="also time each implementation alone, sustained (bench.sustained)")
   args = p.parse_args(argv)
 
   workdir = tempfile.mkdtemp(prefix="jfab")
@@ -146,13 +149,13 @@ def main(argv=None):
         backward=backward and n not in bench.FORWARD_ONLY) for n, a in impls.items()})
     for n, e in failed.items():
       print(f"  {n}: {e}")
+    tf = lambda t, d: bench.flops(B, N, S, S, D, causal, d) / t / 1e12
     for rep in range(args.repeats):
       f_mhz, b_mhz = {}, {}
       fwd = bench.medians_together({n: c[0] for n, c in calls.items()}, reps=args.reps,
                                    clocks=f_mhz)
       bwd = bench.medians_together({n: c[1] for n, c in calls.items() if c[1] is not None},
                                    reps=args.reps, clocks=b_mhz) if backward else {}
-      tf = lambda t, d: bench.flops(B, N, S, S, D, causal, d) / t / 1e12
       cells = [f"{tf(fwd[n], 'fwd'):.0f}/" + (f"{tf(bwd[n], 'bwd'):.0f}" if n in bwd else "-")
                if n in fwd else "-" for n in names + list(others)]
       ratios = [f"{fwd['base'] / fwd[n]:.3f}/" + (f"{bwd['base'] / bwd[n]:.3f}" if n in bwd
@@ -164,6 +167,11 @@ def main(argv=None):
         print("  SM MHz at the batches' ends fwd/bwd: " + ", ".join(
             f"{n} {f_mhz[n]:.0f}/" + (f"{b_mhz[n]:.0f}" if n in b_mhz else "-")
             for n in names + list(others) if n in f_mhz), flush=True)
+    for i, d in enumerate(("fwd", "bwd") if args.sustained else ()):
+      alone = bench.sustained({n: c[i] for n, c in calls.items() if c[i] is not None})
+      print(f"  sustained {d}, each alone: " + ", ".join(
+          f"{n} {tf(sec, d):.0f}" + (f" at {mhz:.0f} MHz" if mhz else "")
+          for n, (sec, mhz) in alone.items()), flush=True)
     del calls
   print("\nTFLOP/s fwd/bwd (medians of interleaved rounds); build/base > 1 means faster")
   print(header)

@@ -77,6 +77,41 @@ def medians_together(calls, warmup=3, reps=10, clocks=None, clock=None):
   return {name: statistics.median(t) for name, t in times.items()}
 
 
+def sustained(calls, idle=2.0, settle=1.5, measure=3.0, clock=None):
+  """{name: (seconds per call, median SM clock in MHz or None)} of calls {name: (fn, args)},
+  each run alone in ~20 ms batches for `settle` + `measure` seconds after `idle` seconds of
+  rest, timed over the batches after `settle`: under the power cap a kernel run on its own
+  settles at a clock of its own (its energy per FLOP decides), which interleaved batches
+  (medians_together) share. The calls run in order, then in reverse; a result is the mean of
+  its two runs."""
+  clock = clock or sm_clock() or (lambda: None)
+  runs = {name: [] for name in calls}
+  for order in (list(calls), list(calls)[::-1]):
+    for name in order:
+      fn, args = calls[name]
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      batch = max(1, min(50, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+      time.sleep(idle)
+      t0, n, mhz, start = time.perf_counter(), 0, [], None
+      while True:
+        t = time.perf_counter() - t0
+        if start is None and t >= settle:
+          start, n = t, 0
+        elif start is not None and t >= settle + measure and n:
+          break
+        for _ in range(batch):
+          out = fn(*args)
+        jax.block_until_ready(out)
+        n += batch
+        if start is not None and (c := clock()) is not None:
+          mhz.append(c)
+      runs[name].append(((t - start) / n, statistics.median(mhz) if mhz else None))
+  return {name: (statistics.mean(s for s, _ in r),
+                 statistics.mean(c for _, c in r) if all(c for _, c in r) else None)
+          for name, r in runs.items()}
+
+
 def median_seconds(fn, *args, warmup=3, reps=10):
   """Median wall time of fn(*args) (medians_together of one call)."""
   return medians_together({None: (fn, args)}, warmup, reps)[None]

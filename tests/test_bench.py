@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,34 @@ def test_medians_together_reads_the_clock_after_each_batch():
   none = {}
   bench.medians_together({"a": call}, warmup=1, reps=2, clocks=none, clock=lambda: None)
   assert none == {}
+
+
+def test_sustained_times_each_call_alone_past_its_settling():
+  """Per-call seconds of a call that takes 2 ms, the clock read only after the settling time,
+  and the two runs (in order, then reversed) averaged."""
+  order, reads = [], []
+
+  def call(name):
+    def fn(x):
+      time.sleep(0.002)
+      if not order or order[-1] != name:
+        order.append(name)
+      return x
+    return fn, (jnp.ones(4),)
+
+  def clock():
+    reads.append(order[-1])
+    return 1000 + 10 * len(reads)
+  got = bench.sustained({"a": call("a"), "b": call("b")}, idle=0, settle=0.03, measure=0.06,
+                        clock=clock)
+  assert order == ["a", "b", "a"]  # a, b, then b, a
+  for seconds, mhz in got.values():
+    assert 0.002 <= seconds < 0.005, seconds
+    assert mhz > 1000
+  # ~10-call batches of 2 ms: about 3 clock reads a run past 30 ms of settling, none before
+  assert 6 <= len(reads) <= 20, reads
+  none = bench.sustained({"a": call("a")}, idle=0, settle=0, measure=0.01, clock=lambda: None)
+  assert none["a"][1] is None
 
 
 def test_measure_point_times_only_right_outputs():
