@@ -345,8 +345,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       takes head dims H, Hv in (32, 64, 96, 128, 192, 256) with Hv <= H (e.g. the MLA
       192/128); the CUDA backward the same H with Hv == H, and the MLA 192/128 (of the head
       dims built: jaxflash._ffi.cuda_bwd_head_dims()). At another Hv < H (e.g. 128/64) a
-      gradient raises, a NotImplementedError with 'cuda' and the CUDA handler's error on GPU with
-      None, rather than fall back to the O(T * S) reference VJP.
+      gradient raises, a NotImplementedError with 'cuda' and the CUDA handler's error on GPU
+      with None, rather than fall back to the O(T * S) reference VJP.
     return_residual: also return the logsumexp, (B, N, T) float32 (differentiable); -inf on
       rows that see no key.
 

@@ -42,6 +42,14 @@ def sm_clock():
   return read
 
 
+def _batch_size(fn, args):
+  """Calls of fn(*args) that fill a ~20 ms batch (1 to 50), from one timed call: enough to hide
+  dispatch and sync."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return max(1, min(50, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+
+
 def medians_together(calls, warmup=3, reps=10, clocks=None, clock=None):
   """{name: median wall time of fn(*args)} of calls {name: (fn, args)}, warm: `reps` rounds,
   each timing one batch of every call in turn (the order rotated from round to round), so
@@ -58,9 +66,7 @@ def medians_together(calls, warmup=3, reps=10, clocks=None, clock=None):
   for name, (fn, args) in calls.items():
     for _ in range(warmup):
       jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    batches[name] = max(1, min(50, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+    batches[name] = _batch_size(fn, args)
   names, times = list(calls), {name: [] for name in calls}
   for r in range(reps):
     for name in names[r % len(names):] + names[:r % len(names)]:
@@ -89,9 +95,7 @@ def sustained(calls, idle=2.0, settle=1.5, measure=3.0, clock=None):
   for order in (list(calls), list(calls)[::-1]):
     for name in order:
       fn, args = calls[name]
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      batch = max(1, min(50, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+      batch = _batch_size(fn, args)
       time.sleep(idle)
       t0, n, mhz, start = time.perf_counter(), 0, [], None
       while True:
