@@ -134,8 +134,9 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4 / kDQRounds;
   // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kDOStages], sdS[2],
   // sP[2] (kSplitCols), lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the
-  // mbarriers kv, full[kStages], empty[kStages], dq_full, dq_empty, do_full, do_empty
-  // (kSplitCols: dO has barriers of its own).
+  // mbarriers kv, full[kStages], empty[kStages], dq_full, dq_empty, do_full, do_empty, ds[2],
+  // dq_full1, dq_empty1 (kSplitCols: dO, and warpgroup 1's half of sdQ, have barriers of
+  // their own).
   static constexpr uint32_t kOffK = 0;
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;
@@ -146,7 +147,7 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
-  static constexpr uint32_t kOffInfo = kOffBar + (7 + 2 * kStages) * 8;  // int [kStages]
+  static constexpr uint32_t kOffInfo = kOffBar + (9 + 2 * kStages) * 8;  // int [kStages]
   static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;  // 8-aligned: Seg holds int2
   using Seg = BwdSegShared<kBlockM, kStages>;
   // (H = 256 has no rules kernel, so no segment-id tables.)
@@ -332,6 +333,9 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_do_full = bar_dq_empty + 8;         // kSplitCols: sdO holds a step's dO
   const uint32_t bar_do_empty = bar_do_full + 8;         // kSplitCols: both dVs read it
   const uint32_t bar_ds = bar_do_empty + 8;  // kDSBar: ds[buf] at + 8 buf, sdS buffer buf full
+  // kSplitCols: warpgroup 1's half of sdQ on barriers of its own (warpgroup 0's: dq_full,
+  // dq_empty)
+  const uint32_t bar_dq_full1 = bar_ds + 16, bar_dq_empty1 = bar_ds + 24;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // blockIdx.x enumerates sections of sec_pairs (b, kv head) pairs, and in each (key tile,
@@ -418,8 +422,12 @@ __global__ void __launch_bounds__(384, 1)
       // sDelta, seg->q_ids) before the producer rewrites them
       mbar_init(bar_empty + 8 * s, 256);
     }
-    mbar_init(bar_dq_full, 8);
+    mbar_init(bar_dq_full, kSplitCols ? 4 : 8);
     mbar_init(bar_dq_empty, 1);
+    if constexpr (kSplitCols) {
+      mbar_init(bar_dq_full1, 4);
+      mbar_init(bar_dq_empty1, 1);
+    }
     if constexpr (kSplitCols) {
       mbar_init(bar_do_full, 1);
       mbar_init(bar_do_empty, 256);
@@ -634,23 +642,45 @@ __global__ void __launch_bounds__(384, 1)
               // the adds after the store, across the proxies
               if (!first) fence_proxy_async_global();
             }
+            // sdQ's column block cb (32 columns) to dq_accum's columns col ..
+            auto send = [&](int cb, int col) {
+              if (first)
+                tma_store_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
+                             static_cast<int>(b));
+              else
+                tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
+                                  static_cast<int>(b), L2Hint::kLast);
+            };
 #pragma unroll
             for (int j = 0; j < kDQRounds; ++j) {
-              mbar_wait(bar_dq_full, (kDQRounds * it + j) & 1);
+              const uint32_t parity = (kDQRounds * it + j) & 1;
+              if constexpr (kSplitCols) {
+                // Round j holds columns 64 j .. 64 j + 63 of each warpgroup's 128 (column
+                // blocks 2 w, 2 w + 1 warpgroup w's). Each half goes once its warpgroup has
+                // stored it and comes free once the TMA has read it, so that a warpgroup's
+                // second round waits for the read of its own first half, not of both: +8-10%
+                // at D=256 (the reduce-adds read sdQ at ~20 bytes a clock; NOTES.md,
+                // forty-eighth session).
+                mbar_wait(bar_dq_full, parity);
+                send(0, 64 * j);
+                send(1, 64 * j + 32);
+                bulk_commit();
+                mbar_wait(bar_dq_full1, parity);
+                send(2, 128 + 64 * j);
+                send(3, 128 + 64 * j + 32);
+                bulk_commit();
+                bulk_wait_read<1>();
+                mbar_arrive(bar_dq_empty);
+                bulk_wait_read<0>();
+                mbar_arrive(bar_dq_empty1);
+              } else {
+                mbar_wait(bar_dq_full, parity);
 #pragma unroll
-              for (int cb = 0; cb < kHeadDim / 32 / kDQRounds; ++cb) {
-                // kSplitCols: round j holds columns 64 j .. of each warpgroup's 128
-                const int col = kSplitCols ? (cb / 2) * 128 + 64 * j + (cb % 2) * 32 : cb * 32;
-                if (first)
-                  tma_store_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
-                               static_cast<int>(b));
-                else
-                  tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
-                                    static_cast<int>(b), L2Hint::kLast);
+                for (int cb = 0; cb < kHeadDim / 32; ++cb) send(cb, cb * 32);
+                bulk_commit();
+                bulk_wait_read();
+                mbar_arrive(bar_dq_empty);
               }
-              bulk_commit();
-              bulk_wait_read();
-              mbar_arrive(bar_dq_empty);
             }
             if (first || det) {  // the stored (added) tile, once its copy is complete
               bulk_wait_all();
@@ -761,8 +791,10 @@ __global__ void __launch_bounds__(384, 1)
     // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
     // writer has read the round before. Row r of a column block holds 16-byte chunk c at
     // c ^ (r % 8).
+    const uint32_t my_dq_full = kSplitCols && cw == 1 ? bar_dq_full1 : bar_dq_full;
+    const uint32_t my_dq_empty = kSplitCols && cw == 1 ? bar_dq_empty1 : bar_dq_empty;
     auto store_dq = [&](float (&acc_dq)[32], int round) {
-      if (round > 0) mbar_wait(bar_dq_empty, (round - 1) & 1);
+      if (round > 0) mbar_wait(my_dq_empty, (round - 1) & 1);
       if constexpr (kDQT) {
         // acc_dq element 4 i + c is dQ at row q = 8 i + 2 tig + c % 2, column d = dq_col0 +
         // 16 wi + g + 8 (c / 2), in chunk (d % 32) / 4 ^ (q % 8) of row q. A warp's 32 stores
@@ -803,7 +835,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
       __syncwarp();
-      if (lane == 0) mbar_arrive(bar_dq_full);
+      if (lane == 0) mbar_arrive(my_dq_full);
     };
     mbar_wait(bar_kv, 0);
 

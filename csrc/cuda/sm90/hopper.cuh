@@ -165,8 +165,9 @@ __device__ __forceinline__ void bulk_commit() {
 
 // Waits until this thread's bulk groups have read their shared sources (their writes to
 // global memory complete on their own, within the kernel).
+template <int kPending = 0>
 __device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
 // ---- wgmma ----
