@@ -427,8 +427,6 @@ __global__ void __launch_bounds__(384, 1)
     if constexpr (kSplitCols) {
       mbar_init(bar_dq_full1, 4);
       mbar_init(bar_dq_empty1, 1);
-    }
-    if constexpr (kSplitCols) {
       mbar_init(bar_do_full, 1);
       mbar_init(bar_do_empty, 256);
     }
@@ -658,7 +656,7 @@ __global__ void __launch_bounds__(384, 1)
                 // Round j holds columns 64 j .. 64 j + 63 of each warpgroup's 128 (column
                 // blocks 2 w, 2 w + 1 warpgroup w's). Each half goes once its warpgroup has
                 // stored it and comes free once the TMA has read it, so that a warpgroup's
-                // second round waits for the read of its own first half, not of both: +8-10%
+                // second round waits for the read of its own first half, not of both: +6-11%
                 // at D=256 (the reduce-adds read sdQ at ~20 bytes a clock; NOTES.md,
                 // forty-eighth session).
                 mbar_wait(bar_dq_full, parity);

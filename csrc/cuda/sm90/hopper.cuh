@@ -163,8 +163,8 @@ __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
-// Waits until this thread's bulk groups have read their shared sources (their writes to
-// global memory complete on their own, within the kernel).
+// Waits until all but this thread's kPending newest bulk groups have read their shared
+// sources (their writes to global memory complete on their own, within the kernel).
 template <int kPending = 0>
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
