@@ -131,23 +131,30 @@ struct BwdCfgSm90 {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // dQ's fp32 tile: H / 32 column blocks of (kBlockM, 32), 128-byte rows in TMA's 128-byte
   // swizzle, so that a warp's float2 stores (8 rows x 32 bytes) take 2 wavefronts, not 8.
-  static constexpr uint32_t kDQBytes = kBlockM * kHeadDim * 4 / kDQRounds;
-  // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kDOStages], sdS[2],
-  // sP[2] (kSplitCols), lse[kStages], delta[kStages] (kBlockM floats each), sdQ, then the
-  // mbarriers kv, full[kStages], empty[kStages], dq_full, dq_empty, do_full, do_empty, ds[2],
-  // dq_full1, dq_empty1 (kSplitCols: dO, and warpgroup 1's half of sdQ, have barriers of
-  // their own).
+  // kSplitCols: three slots of a warpgroup's half of a round (64 columns), taken in turn by the
+  // step's four halves, so that a half mostly finds a slot the TMA has long read (the reduce-adds
+  // read sdQ at ~20 bytes a clock; NOTES.md, forty-eighth session).
+  static constexpr int kDQSlots = kSplitCols ? 3 : 1;
+  static constexpr uint32_t kDQSlotBytes = kBlockM * kHeadDim * 4 / (kSplitCols ? 4 : 1);
+  static constexpr uint32_t kDQBytes = kDQSlots * kDQSlotBytes;
+  // dS^T (and kSplitCols: P^T) buffers: kSplitCols keeps one, for sdQ's third slot.
+  static constexpr int kDSBufs = kSplitCols ? 1 : 2;
+  // Byte offsets from the 1024-aligned base: sK, sV, sQ[kStages], sdO[kDOStages],
+  // sdS[kDSBufs], sP[kDSBufs] (kSplitCols), lse[kStages], delta[kStages] (kBlockM floats each),
+  // sdQ, then the mbarriers kv, full[kStages], empty[kStages], dq_full, dq_empty, do_full,
+  // do_empty, ds[2], slot_full[3], slot_empty[3] (kSplitCols: dO and sdQ's slots have barriers
+  // of their own).
   static constexpr uint32_t kOffK = 0;
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;
   static constexpr uint32_t kOffDO = kOffQ + kStages * kQBytes;
   static constexpr uint32_t kOffDS = kOffDO + kDOStages * kQBytes;
-  static constexpr uint32_t kOffP = kOffDS + 2 * kDSBytes;
-  static constexpr uint32_t kOffLse = kOffP + (kSplitCols ? 2 * kDSBytes : 0);
+  static constexpr uint32_t kOffP = kOffDS + kDSBufs * kDSBytes;
+  static constexpr uint32_t kOffLse = kOffP + (kSplitCols ? kDSBufs * kDSBytes : 0);
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
-  static constexpr uint32_t kOffInfo = kOffBar + (9 + 2 * kStages) * 8;  // int [kStages]
+  static constexpr uint32_t kOffInfo = kOffBar + (13 + 2 * kStages) * 8;  // int [kStages]
   static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;  // 8-aligned: Seg holds int2
   using Seg = BwdSegShared<kBlockM, kStages>;
   // (H = 256 has no rules kernel, so no segment-id tables.)
@@ -333,9 +340,8 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_do_full = bar_dq_empty + 8;         // kSplitCols: sdO holds a step's dO
   const uint32_t bar_do_empty = bar_do_full + 8;         // kSplitCols: both dVs read it
   const uint32_t bar_ds = bar_do_empty + 8;  // kDSBar: ds[buf] at + 8 buf, sdS buffer buf full
-  // kSplitCols: warpgroup 1's half of sdQ on barriers of its own (warpgroup 0's: dq_full,
-  // dq_empty)
-  const uint32_t bar_dq_full1 = bar_ds + 16, bar_dq_empty1 = bar_ds + 24;
+  // kSplitCols: sdQ's slot s is full at bar_slot_full + 8 s, read at bar_slot_empty + 8 s
+  const uint32_t bar_slot_full = bar_ds + 16, bar_slot_empty = bar_ds + 40;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // blockIdx.x enumerates sections of sec_pairs (b, kv head) pairs, and in each (key tile,
@@ -425,8 +431,10 @@ __global__ void __launch_bounds__(384, 1)
     mbar_init(bar_dq_full, kSplitCols ? 4 : 8);
     mbar_init(bar_dq_empty, 1);
     if constexpr (kSplitCols) {
-      mbar_init(bar_dq_full1, 4);
-      mbar_init(bar_dq_empty1, 1);
+      for (int slot = 0; slot < 3; ++slot) {
+        mbar_init(bar_slot_full + 8 * slot, 4);  // a warpgroup's warps
+        mbar_init(bar_slot_empty + 8 * slot, 1);
+      }
       mbar_init(bar_do_full, 1);
       mbar_init(bar_do_empty, 256);
     }
@@ -640,41 +648,37 @@ __global__ void __launch_bounds__(384, 1)
               // the adds after the store, across the proxies
               if (!first) fence_proxy_async_global();
             }
-            // sdQ's column block cb (32 columns) to dq_accum's columns col ..
-            auto send = [&](int cb, int col) {
+            // a (kBlockM, 32) column block of sdQ at src to dq_accum's columns col ..
+            auto send = [&](uint32_t src, int col) {
               if (first)
-                tma_store_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
-                             static_cast<int>(b));
+                tma_store_4d(&tma_dq, src, col, n, m0, static_cast<int>(b));
               else
-                tma_reduce_add_4d(&tma_dq, sdQ + cb * kBlockM * kRowBytes, col, n, m0,
-                                  static_cast<int>(b), L2Hint::kLast);
+                tma_reduce_add_4d(&tma_dq, src, col, n, m0, static_cast<int>(b), L2Hint::kLast);
             };
 #pragma unroll
             for (int j = 0; j < kDQRounds; ++j) {
-              const uint32_t parity = (kDQRounds * it + j) & 1;
               if constexpr (kSplitCols) {
-                // Round j holds columns 64 j .. 64 j + 63 of each warpgroup's 128 (column
-                // blocks 2 w, 2 w + 1 warpgroup w's). Each half goes once its warpgroup has
-                // stored it and comes free once the TMA has read it, so that a warpgroup's
-                // second round waits for the read of its own first half, not of both: +6-11%
-                // at D=256 (the reduce-adds read sdQ at ~20 bytes a clock; NOTES.md,
-                // forty-eighth session).
-                mbar_wait(bar_dq_full, parity);
-                send(0, 64 * j);
-                send(1, 64 * j + 32);
-                bulk_commit();
-                mbar_wait(bar_dq_full1, parity);
-                send(2, 128 + 64 * j);
-                send(3, 128 + 64 * j + 32);
-                bulk_commit();
-                bulk_wait_read<1>();
-                mbar_arrive(bar_dq_empty);
-                bulk_wait_read<0>();
-                mbar_arrive(bar_dq_empty1);
-              } else {
-                mbar_wait(bar_dq_full, parity);
+                // Half h = 2 (2 it + j) + w: warpgroup w's columns 128 w + 64 j .. + 63, in
+                // slot h % 3 (its use h / 3 of that slot). Each half goes once its warpgroup
+                // has stored it; the half before it comes free once the TMA has read it.
 #pragma unroll
-                for (int cb = 0; cb < kHeadDim / 32; ++cb) send(cb, cb * 32);
+                for (int w = 0; w < 2; ++w) {
+                  const int h = 2 * (kDQRounds * it + j) + w, slot = h % 3;
+                  mbar_wait(bar_slot_full + 8 * slot, (h / 3) & 1);
+                  const uint32_t src = sdQ + slot * Cfg::kDQSlotBytes;
+                  send(src, 128 * w + 64 * j);
+                  send(src + kBlockM * kRowBytes, 128 * w + 64 * j + 32);
+                  bulk_commit();
+                  if (h > 0) {
+                    bulk_wait_read<1>();
+                    mbar_arrive(bar_slot_empty + 8 * ((h - 1) % 3));
+                  }
+                }
+              } else {
+                mbar_wait(bar_dq_full, it & 1);
+#pragma unroll
+                for (int cb = 0; cb < kHeadDim / 32; ++cb)
+                  send(sdQ + cb * kBlockM * kRowBytes, cb * 32);
                 bulk_commit();
                 bulk_wait_read();
                 mbar_arrive(bar_dq_empty);
@@ -788,11 +792,16 @@ __global__ void __launch_bounds__(384, 1)
     };
     // dQ into sdQ (row dq_row0 + r, column dq_col0 + c) in column block c / 32, once the
     // writer has read the round before. Row r of a column block holds 16-byte chunk c at
-    // c ^ (r % 8).
-    const uint32_t my_dq_full = kSplitCols && cw == 1 ? bar_dq_full1 : bar_dq_full;
-    const uint32_t my_dq_empty = kSplitCols && cw == 1 ? bar_dq_empty1 : bar_dq_empty;
+    // c ^ (r % 8). kSplitCols: this warpgroup's half of the round, half = 2 round + cw, goes to its
+    // two column blocks in slot half % 3 (dq_slot), once the writer has read the slot's use before.
     auto store_dq = [&](float (&acc_dq)[32], int round) {
-      if (round > 0) mbar_wait(my_dq_empty, (round - 1) & 1);
+      const int half = 2 * round + cw, slot = kSplitCols ? half % 3 : 0;
+      const uint32_t dq_slot = sdQ + slot * Cfg::kDQSlotBytes;
+      if constexpr (kSplitCols) {
+        if (half >= 3) mbar_wait(bar_slot_empty + 8 * slot, (half / 3 - 1) & 1);
+      } else {
+        if (round > 0) mbar_wait(bar_dq_empty, (round - 1) & 1);
+      }
       if constexpr (kDQT) {
         // acc_dq element 4 i + c is dQ at row q = 8 i + 2 tig + c % 2, column d = dq_col0 +
         // 16 wi + g + 8 (c / 2), in chunk (d % 32) / 4 ^ (q % 8) of row q. A warp's 32 stores
@@ -804,7 +813,9 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int d = dq_col0 + 16 * wi + g + 8 * h, q = 2 * tig + e;
-            const uint32_t at = sdQ + (d / 32) * kBlockM * kRowBytes + q * kRowBytes +
+            const uint32_t at = (kSplitCols ? dq_slot + ((d - dq_col0) / 32) * kBlockM * kRowBytes
+                                            : sdQ + (d / 32) * kBlockM * kRowBytes) +
+                                q * kRowBytes +
                                 ((((d % 32) / 4) ^ q) * 16) + (d % 4) * 4;
 #pragma unroll
             for (int i = 0; i < kBlockM / 8; ++i)
@@ -833,7 +844,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       fence_proxy_async();  // the writer's TMA reads sdQ through the async proxy
       __syncwarp();
-      if (lane == 0) mbar_arrive(my_dq_full);
+      if (lane == 0) mbar_arrive(kSplitCols ? bar_slot_full + 8 * slot : bar_dq_full);
     };
     mbar_wait(bar_kv, 0);
 
@@ -998,7 +1009,10 @@ __global__ void __launch_bounds__(384, 1)
       // keys, kBlockM, 64); kSplitCols: P too, in sP). The other warpgroup last read this buffer
       // in its dQ (dV, dK) of step it - 2, which it waited for before its arrival at the
       // barrier (or on ds[buf ^ 1]) of step it - 1: one exchange per step suffices.
-      const uint32_t ds_buf = (it % 2) * Cfg::kDSBytes;
+      // kSplitCols keeps one buffer of each (sdQ's third slot has the other): both warpgroups
+      // meet first, once each has waited for its GEMMs of step it - 1.
+      const uint32_t ds_buf = kSplitCols ? 0 : (it % 2) * Cfg::kDSBytes;
+      if constexpr (kSplitCols) named_barrier_sync(4, 256);
       const uint32_t sdS_b = sdS + ds_buf;
       if constexpr (kDQT) {
         // rdS[kk] holds the 8 x 8 blocks (query block 2 kk + j / 2, key rows 16 wi + 8 (j % 2)),
