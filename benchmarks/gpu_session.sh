@@ -97,7 +97,9 @@ for stage in "$@"; do
             benchmarks/profile_kernels.py --segments --D $D $c --reps 1 2>&1 | tail -2 \
             | sed "s/^/$tool segments D=$D $c: /" | tee -a "$OUT/sanitize.log"; done; done; done ;;
     # the causal backward's grid in sections of (b, kv head) pairs, the last one narrower (past
-    # and within the first-store tickets' 2k keys)
+    # and within the first-store tickets' 2k keys). racecheck does not take mbarrier waits as
+    # ordering: at D=256 it reports the sdQ slots' stores by both consumer warpgroups, which the
+    # dQ writer's mbarriers order (NOTES.md, forty-ninth session).
     sanitize-sec) for tool in memcheck racecheck; do for D in 64 128 256; do for S in 2500 1500; do
           timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --sections $S --D $D --causal --reps 1 2>&1 | tail -2 \
