@@ -428,9 +428,10 @@ __global__ void __launch_bounds__(384, 1)
       // sDelta, seg->q_ids) before the producer rewrites them
       mbar_init(bar_empty + 8 * s, 256);
     }
-    mbar_init(bar_dq_full, kSplitCols ? 4 : 8);
-    mbar_init(bar_dq_empty, 1);
-    if constexpr (kSplitCols) {
+    if constexpr (!kSplitCols) {  // one sdQ tile, stored by all 8 consumer warps
+      mbar_init(bar_dq_full, 8);
+      mbar_init(bar_dq_empty, 1);
+    } else {
       for (int slot = 0; slot < 3; ++slot) {
         mbar_init(bar_slot_full + 8 * slot, 4);  // a warpgroup's warps
         mbar_init(bar_slot_empty + 8 * slot, 1);
@@ -813,9 +814,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int d = dq_col0 + 16 * wi + g + 8 * h, q = 2 * tig + e;
-            const uint32_t at = (kSplitCols ? dq_slot + ((d - dq_col0) / 32) * kBlockM * kRowBytes
-                                            : sdQ + (d / 32) * kBlockM * kRowBytes) +
-                                q * kRowBytes +
+            const int cb = (kSplitCols ? d - dq_col0 : d) / 32;  // column block in the slot
+            const uint32_t at = dq_slot + cb * kBlockM * kRowBytes + q * kRowBytes +
                                 ((((d % 32) / 4) ^ q) * 16) + (d % 4) * 4;
 #pragma unroll
             for (int i = 0; i < kBlockM / 8; ++i)
