@@ -81,6 +81,70 @@ void load_tile(const T* base, int64_t row_stride, int64_t r0, int64_t rows, int6
   }
 }
 
+// The same rows into a (dim, kBlockN) tile, transposed: column r holds row r0 + r, and the
+// columns past `rows` are zero. The B operand of tile_dots.
+template <typename T>
+void load_tile_t(const T* base, int64_t row_stride, int64_t r0, int64_t rows, int64_t dim,
+                 float* tile) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = base + (r0 + r) * row_stride;
+    for (int64_t d = 0; d < dim; ++d) tile[d * kBlockN + r] = to_float(src[d]);
+  }
+  for (int64_t d = 0; d < dim; ++d)
+    std::fill(tile + d * kBlockN + rows, tile + (d + 1) * kBlockN, 0.f);
+}
+
+// The tile products below also get an AVX2/FMA clone, picked when the module loads: the build
+// targets the baseline ISA so that it runs on any x86-64 machine.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
+#define JAXFLASH_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define JAXFLASH_SIMD_CLONES
+#endif
+
+// C = A B^T for A (rows, dim) row-major and B given transposed (dim, kBlockN): C (rows, kBlockN).
+// The inner loop runs along C's row, which vectorises; each C[i, j] still sums d in order.
+JAXFLASH_SIMD_CLONES void tile_dots(const float* __restrict a, int64_t rows, int64_t dim,
+                                    const float* __restrict bt, float* __restrict c) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* __restrict ci = c + i * kBlockN;
+    std::fill(ci, ci + kBlockN, 0.f);
+    for (int64_t d = 0; d < dim; ++d) {
+      const float x = a[i * dim + d];
+      const float* __restrict b = bt + d * kBlockN;
+      for (int64_t j = 0; j < kBlockN; ++j) ci[j] += x * b[j];
+    }
+  }
+}
+
+// C (rows, dim; row stride ldc) += P X, with P[r, k] at p[r * pr + k * pk] (rows, inner) and X
+// (inner, dim) row-major: P V and dS K (pr = kBlockN, pk = 1), P^T dO and dS^T Q (pr = 1,
+// pk = kBlockN). A row of C is summed kChunk columns at a time, which stay in registers.
+JAXFLASH_SIMD_CLONES void add_product(float* __restrict c, int64_t ldc, const float* __restrict p,
+                                      int64_t pr, int64_t pk, int64_t rows, int64_t inner,
+                                      const float* __restrict x, int64_t dim) {
+  constexpr int64_t kChunk = 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* __restrict cr = c + r * ldc;
+    const float* __restrict pp = p + r * pr;
+    int64_t d0 = 0;
+    for (; d0 + kChunk <= dim; d0 += kChunk) {
+      float acc[kChunk];
+      for (int64_t e = 0; e < kChunk; ++e) acc[e] = cr[d0 + e];
+      for (int64_t k = 0; k < inner; ++k) {
+        const float w = pp[k * pk];
+        const float* __restrict xk = x + k * dim + d0;
+        for (int64_t e = 0; e < kChunk; ++e) acc[e] += w * xk[e];
+      }
+      for (int64_t e = 0; e < kChunk; ++e) cr[d0 + e] = acc[e];
+    }
+    for (int64_t k = 0; d0 < dim && k < inner; ++k) {  // the columns past the last whole chunk
+      const float w = pp[k * pk];
+      for (int64_t d = d0; d < dim; ++d) cr[d] += w * x[k * dim + d];
+    }
+  }
+}
+
 template <typename F>
 void parallel_for(int64_t n, F&& body) {
   const int64_t workers =
@@ -237,7 +301,7 @@ void fwd_typed(const FwdParams& p) {
     float* lse = p.lse + (b * p.n + n) * p.t;
     const Head<T> hd(p, b, n);
 
-    std::vector<float> sQ(rows * H), sK(kBlockN * H), sV(kBlockN * Hv), sS(kBlockN);
+    std::vector<float> sQ(rows * H), sKT(H * kBlockN), sV(kBlockN * Hv), sS(rows * kBlockN);
     std::vector<float> acc(rows * Hv, 0.f), m(rows, kNegInf), l(rows, 0.f);
     load_tile(q, p.q_row_stride, m0, rows, H, sQ.data());  // (rows, H)
 
@@ -246,39 +310,41 @@ void fwd_typed(const FwdParams& p) {
     for (int64_t n0 = lo; n0 < hi; n0 += kBlockN) {
       const int64_t cols = std::min(kBlockN, hi - n0);
       if (!hd.tile_live(m0, rows, n0, cols)) continue;
-      load_tile(k, p.k_row_stride, n0, cols, H, sK.data());   // (cols, H)
-      load_tile(v, p.v_row_stride, n0, cols, Hv, sV.data());  // (cols, Hv)
+      load_tile_t(k, p.k_row_stride, n0, cols, H, sKT.data());  // (H, kBlockN)
+      load_tile(v, p.v_row_stride, n0, cols, Hv, sV.data());     // (cols, Hv)
+      tile_dots(sQ.data(), rows, H, sKT.data(), sS.data());      // Q K^T: (rows, kBlockN)
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = m0 + i;
         // S = logits of row i, masked entries at -inf
+        float* s_i = &sS[i * kBlockN];
         float row_max = m[i];
         for (int64_t j = 0; j < cols; ++j) {
           if (!hd.visible(t, n0 + j)) {
-            sS[j] = kNegInf;
+            s_i[j] = kNegInf;
             continue;
           }
-          float dot = 0.f;
-          for (int64_t d = 0; d < H; ++d) dot += sQ[i * H + d] * sK[j * H + d];
-          sS[j] = hd.logit(dot, t, n0 + j, nullptr);
-          row_max = std::max(row_max, sS[j]);
-          if (std::isnan(sS[j])) row_max = sS[j];
+          s_i[j] = hd.logit(s_i[j], t, n0 + j, nullptr);
+          row_max = std::max(row_max, s_i[j]);
+          if (std::isnan(s_i[j])) row_max = s_i[j];
         }
-        if (row_max == kNegInf) continue;  // nothing visible yet in this row
+        if (row_max == kNegInf) {  // nothing visible yet in this row
+          std::fill(s_i, s_i + cols, 0.f);
+          continue;
+        }
         // online softmax: rescale the running sum and accumulator to the new max
         const float correction = std::exp(m[i] - row_max);
         l[i] *= correction;
         float* a = &acc[i * Hv];
         for (int64_t d = 0; d < Hv; ++d) a[d] *= correction;
         const uint32_t row_hash = hd.drop_row(t);
-        for (int64_t j = 0; j < cols; ++j) {
-          const float pj = std::exp(sS[j] - row_max);
+        for (int64_t j = 0; j < cols; ++j) {  // S -> P after dropout
+          const float pj = std::exp(s_i[j] - row_max);
           l[i] += pj;  // lse and the normaliser ignore dropout
-          const float pd = pj * hd.keep(row_hash, n0 + j);
-          if (pd == 0.f) continue;
-          for (int64_t d = 0; d < Hv; ++d) a[d] += pd * sV[j * Hv + d];  // O += P V
+          s_i[j] = pj * hd.keep(row_hash, n0 + j);
         }
         m[i] = row_max;
       }
+      add_product(acc.data(), Hv, sS.data(), kBlockN, 1, rows, cols, sV.data(), Hv);  // O += P V
     }
     for (int64_t i = 0; i < rows; ++i) {
       const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
@@ -292,11 +358,14 @@ void fwd_typed(const FwdParams& p) {
 }
 
 // One (rows x cols) tile of the backward: Pd = dropped probabilities (for dV), dS = dL/dlogits
-// (for dbias and dalibi), dR = dL/d(q.k) (for dQ and dK). All (rows, kBlockN).
+// (for dbias and dalibi), dR = dL/d(q.k) (for dQ and dK). All (rows, kBlockN). K and V come
+// transposed (load_tile_t).
 template <typename T>
 void grad_tile(const Head<T>& hd, const float* lse, const float* delta, int64_t m0, int64_t rows,
-               int64_t n0, int64_t cols, const float* sQ, const float* sK, const float* sV,
+               int64_t n0, int64_t cols, const float* sQ, const float* sKT, const float* sVT,
                const float* sdO, int64_t H, int64_t Hv, float* Pd, float* dS, float* dR) {
+  tile_dots(sQ, rows, H, sKT, Pd);    // q.k, turned into Pd below
+  tile_dots(sdO, rows, Hv, sVT, dR);  // dP before dropout, turned into dR below
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = m0 + i;
     const float li = lse[t];
@@ -308,13 +377,10 @@ void grad_tile(const Head<T>& hd, const float* lse, const float* delta, int64_t 
         continue;
       }
       // P = exp(logit - lse): the forward's probabilities, recomputed
-      float dot = 0.f, dcap = 1.f;
-      for (int64_t d = 0; d < H; ++d) dot += sQ[i * H + d] * sK[j * H + d];
-      const float pij = std::exp(hd.logit(dot, t, n0 + j, &dcap) - li);
+      float dcap = 1.f;
+      const float pij = std::exp(hd.logit(Pd[e], t, n0 + j, &dcap) - li);
       // dP = (dO V^T) * keep ; dS = P * (dP - delta)
-      const float keep = hd.keep(row_hash, n0 + j);
-      float dp = 0.f;
-      for (int64_t d = 0; d < Hv; ++d) dp += sdO[i * Hv + d] * sV[j * Hv + d];
+      const float keep = hd.keep(row_hash, n0 + j), dp = dR[e];
       Pd[e] = pij * keep;
       dS[e] = pij * (dp * keep - delta[t]);
       dR[e] = dS[e] * dcap * hd.p.scale;
@@ -340,7 +406,7 @@ void dbias_typed(const BwdParams& p) {
     const int64_t t0 = nt > 1 ? mt * kBlockM : 0;
     const int64_t t1 = nt > 1 ? std::min(p.t, t0 + kBlockM) : p.t;
     std::vector<float> acc((nt > 1 ? t1 - t0 : 1) * ns, 0.f);  // (rows of dbias, S|1)
-    std::vector<float> sK(kBlockN * H), sV(kBlockN * Hv), sQ(kBlockM * H), sdO(kBlockM * Hv),
+    std::vector<float> sKT(H * kBlockN), sVT(Hv * kBlockN), sQ(kBlockM * H), sdO(kBlockM * Hv),
         Pd(kBlockM * kBlockN), dS(kBlockM * kBlockN), dR(kBlockM * kBlockN);
     const int64_t b_begin = nb > 1 ? hb : 0, b_end = nb > 1 ? hb + 1 : p.batch_inner;
     const int64_t n_begin = nn > 1 ? hn : 0, n_end = nn > 1 ? hn + 1 : p.n;
@@ -364,9 +430,9 @@ void dbias_typed(const BwdParams& p) {
           for (int64_t n0 = lo; n0 < hi; n0 += kBlockN) {
             const int64_t cols = std::min(kBlockN, hi - n0);
             if (!hd.tile_live(m0, rows, n0, cols)) continue;
-            load_tile(k, p.k_row_stride, n0, cols, H, sK.data());
-            load_tile(v, p.v_row_stride, n0, cols, Hv, sV.data());
-            grad_tile(hd, lse, delta, m0, rows, n0, cols, sQ.data(), sK.data(), sV.data(),
+            load_tile_t(k, p.k_row_stride, n0, cols, H, sKT.data());
+            load_tile_t(v, p.v_row_stride, n0, cols, Hv, sVT.data());
+            grad_tile(hd, lse, delta, m0, rows, n0, cols, sQ.data(), sKT.data(), sVT.data(),
                       sdO.data(), H, Hv, Pd.data(), dS.data(), dR.data());
             for (int64_t i = 0; i < rows; ++i) {
               float* a = &acc[(nt > 1 ? m0 + i - t0 : 0) * ns];
@@ -421,7 +487,9 @@ void bwd_typed(const BwdParams& p) {
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + kh * p.v_head_stride;
     TG* dk = static_cast<TG*>(p.dk) + b * p.dk_batch_stride + kh * p.dk_head_stride;
     TG* dv = static_cast<TG*>(p.dv) + b * p.dv_batch_stride + kh * p.dv_head_stride;
-    std::vector<float> sK(kBlockN * H), sV(kBlockN * Hv), dK(kBlockN * H), dV(kBlockN * Hv);
+    // K row-major for dQ += dS K, K and V transposed for the tiles' dots
+    std::vector<float> sK(kBlockN * H), sKT(H * kBlockN), sVT(Hv * kBlockN), dK(kBlockN * H),
+        dV(kBlockN * Hv);
     std::vector<float> sQ(kBlockM * H), sdO(kBlockM * Hv), Pd(kBlockM * kBlockN),
         dS(kBlockM * kBlockN), dR(kBlockM * kBlockN), dslope(G, 0.f);
     std::vector<Head<T>> heads;
@@ -430,7 +498,8 @@ void bwd_typed(const BwdParams& p) {
     for (int64_t n0 = 0; n0 < p.s; n0 += kBlockN) {
       const int64_t cols = std::min(kBlockN, p.s - n0);
       load_tile(k, p.k_row_stride, n0, cols, H, sK.data());
-      load_tile(v, p.v_row_stride, n0, cols, Hv, sV.data());
+      load_tile_t(k, p.k_row_stride, n0, cols, H, sKT.data());
+      load_tile_t(v, p.v_row_stride, n0, cols, Hv, sVT.data());
       std::fill(dK.begin(), dK.end(), 0.f);
       std::fill(dV.begin(), dV.end(), 0.f);
       for (int64_t g = 0; g < G; ++g) {
@@ -446,21 +515,12 @@ void bwd_typed(const BwdParams& p) {
           if (!hd.tile_live(m0, rows, n0, cols)) continue;
           load_tile(q_at(b, n), p.q_row_stride, m0, rows, H, sQ.data());
           load_tile(do_at(b, n), p.do_row_stride, m0, rows, Hv, sdO.data());
-          grad_tile(hd, lse, delta, m0, rows, n0, cols, sQ.data(), sK.data(), sV.data(),
+          grad_tile(hd, lse, delta, m0, rows, n0, cols, sQ.data(), sKT.data(), sVT.data(),
                     sdO.data(), H, Hv, Pd.data(), dS.data(), dR.data());
-          for (int64_t j = 0; j < cols; ++j)
-            for (int64_t i = 0; i < rows; ++i) {
-              const float pij = Pd[i * kBlockN + j], drij = dR[i * kBlockN + j];
-              for (int64_t d = 0; d < Hv; ++d) dV[j * Hv + d] += pij * sdO[i * Hv + d];  // dV += P^T dO
-              for (int64_t d = 0; d < H; ++d) dK[j * H + d] += drij * sQ[i * H + d];    // dK += dS^T Q
-            }
-          for (int64_t i = 0; i < rows; ++i) {
-            float* dqi = dq + (m0 + i) * p.n * H;
-            for (int64_t j = 0; j < cols; ++j) {
-              const float drij = dR[i * kBlockN + j];
-              for (int64_t d = 0; d < H; ++d) dqi[d] += drij * sK[j * H + d];  // dQ += dS K
-            }
-          }
+          add_product(dV.data(), Hv, Pd.data(), 1, kBlockN, cols, rows, sdO.data(), Hv);  // P^T dO
+          add_product(dK.data(), H, dR.data(), 1, kBlockN, cols, rows, sQ.data(), H);    // dS^T Q
+          add_product(dq + m0 * p.n * H, p.n * H, dR.data(), kBlockN, 1, rows, cols, sK.data(),
+                      H);  // dQ += dS K
           if (p.dalibi)  // d logit / d slope = -|s - (t + shift)|
             for (int64_t i = 0; i < rows; ++i)
               for (int64_t j = 0; j < cols; ++j)
