@@ -71,26 +71,18 @@ inline void from_float(float f, F16& out) {
   out.bits = sign | uint16_t((r - (112u << 23)) >> 13);
 }
 
-// Copies rows [r0, r0 + rows) of one head of a (B, L, heads, dim) tensor into a dense fp32 tile.
+// Copies rows [r0, r0 + rows) of one head of a (B, L, heads, dim) tensor into a dense fp32 tile:
+// (rows, dim), or with `transposed` (dim, kBlockN), column r holding row r0 + r and the columns
+// past `rows` zero (the B operand of tile_dots).
 template <typename T>
 void load_tile(const T* base, int64_t row_stride, int64_t r0, int64_t rows, int64_t dim,
-               float* tile) {
+               float* tile, bool transposed = false) {
+  const int64_t rs = transposed ? 1 : dim, ds = transposed ? kBlockN : 1;
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = base + (r0 + r) * row_stride;
-    for (int64_t d = 0; d < dim; ++d) tile[r * dim + d] = to_float(src[d]);
+    for (int64_t d = 0; d < dim; ++d) tile[r * rs + d * ds] = to_float(src[d]);
   }
-}
-
-// The same rows into a (dim, kBlockN) tile, transposed: column r holds row r0 + r, and the
-// columns past `rows` are zero. The B operand of tile_dots.
-template <typename T>
-void load_tile_t(const T* base, int64_t row_stride, int64_t r0, int64_t rows, int64_t dim,
-                 float* tile) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = base + (r0 + r) * row_stride;
-    for (int64_t d = 0; d < dim; ++d) tile[d * kBlockN + r] = to_float(src[d]);
-  }
-  for (int64_t d = 0; d < dim; ++d)
+  for (int64_t d = 0; transposed && d < dim; ++d)
     std::fill(tile + d * kBlockN + rows, tile + (d + 1) * kBlockN, 0.f);
 }
 
@@ -310,9 +302,9 @@ void fwd_typed(const FwdParams& p) {
     for (int64_t n0 = lo; n0 < hi; n0 += kBlockN) {
       const int64_t cols = std::min(kBlockN, hi - n0);
       if (!hd.tile_live(m0, rows, n0, cols)) continue;
-      load_tile_t(k, p.k_row_stride, n0, cols, H, sKT.data());  // (H, kBlockN)
-      load_tile(v, p.v_row_stride, n0, cols, Hv, sV.data());     // (cols, Hv)
-      tile_dots(sQ.data(), rows, H, sKT.data(), sS.data());      // Q K^T: (rows, kBlockN)
+      load_tile(k, p.k_row_stride, n0, cols, H, sKT.data(), true);  // (H, kBlockN)
+      load_tile(v, p.v_row_stride, n0, cols, Hv, sV.data());        // (cols, Hv)
+      tile_dots(sQ.data(), rows, H, sKT.data(), sS.data());         // Q K^T: (rows, kBlockN)
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = m0 + i;
         // S = logits of row i, masked entries at -inf
@@ -359,7 +351,7 @@ void fwd_typed(const FwdParams& p) {
 
 // One (rows x cols) tile of the backward: Pd = dropped probabilities (for dV), dS = dL/dlogits
 // (for dbias and dalibi), dR = dL/d(q.k) (for dQ and dK). All (rows, kBlockN). K and V come
-// transposed (load_tile_t).
+// transposed (load_tile, transposed).
 template <typename T>
 void grad_tile(const Head<T>& hd, const float* lse, const float* delta, int64_t m0, int64_t rows,
                int64_t n0, int64_t cols, const float* sQ, const float* sKT, const float* sVT,
@@ -430,8 +422,8 @@ void dbias_typed(const BwdParams& p) {
           for (int64_t n0 = lo; n0 < hi; n0 += kBlockN) {
             const int64_t cols = std::min(kBlockN, hi - n0);
             if (!hd.tile_live(m0, rows, n0, cols)) continue;
-            load_tile_t(k, p.k_row_stride, n0, cols, H, sKT.data());
-            load_tile_t(v, p.v_row_stride, n0, cols, Hv, sVT.data());
+            load_tile(k, p.k_row_stride, n0, cols, H, sKT.data(), true);
+            load_tile(v, p.v_row_stride, n0, cols, Hv, sVT.data(), true);
             grad_tile(hd, lse, delta, m0, rows, n0, cols, sQ.data(), sKT.data(), sVT.data(),
                       sdO.data(), H, Hv, Pd.data(), dS.data(), dR.data());
             for (int64_t i = 0; i < rows; ++i) {
@@ -498,8 +490,8 @@ void bwd_typed(const BwdParams& p) {
     for (int64_t n0 = 0; n0 < p.s; n0 += kBlockN) {
       const int64_t cols = std::min(kBlockN, p.s - n0);
       load_tile(k, p.k_row_stride, n0, cols, H, sK.data());
-      load_tile_t(k, p.k_row_stride, n0, cols, H, sKT.data());
-      load_tile_t(v, p.v_row_stride, n0, cols, Hv, sVT.data());
+      load_tile(k, p.k_row_stride, n0, cols, H, sKT.data(), true);
+      load_tile(v, p.v_row_stride, n0, cols, Hv, sVT.data(), true);
       std::fill(dK.begin(), dK.end(), 0.f);
       std::fill(dV.begin(), dV.end(), 0.f);
       for (int64_t g = 0; g < G; ++g) {
