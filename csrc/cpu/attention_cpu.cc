@@ -86,10 +86,10 @@ void load_tile(const T* base, int64_t row_stride, int64_t r0, int64_t rows, int6
     std::fill(tile + d * kBlockN + rows, tile + (d + 1) * kBlockN, 0.f);
 }
 
-// The tile products below also get an AVX2/FMA clone, picked when the module loads: the build
+// The tile products below also get an AVX/FMA clone, picked when the module loads: the build
 // targets the baseline ISA so that it runs on any x86-64 machine.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
-#define JAXFLASH_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define JAXFLASH_SIMD_CLONES __attribute__((target_clones("fma", "default")))
 #else
 #define JAXFLASH_SIMD_CLONES
 #endif
