@@ -1,7 +1,8 @@
-"""Masked work: does the cost follow the unmasked area? jaxflash against cuDNN per mask case.
+"""Masked and variant work: does the cost follow the unmasked area, and what do the variants
+cost? jaxflash against cuDNN per case.
 
 Cases (bf16, D=128, N=16, B=1, S=T=16k by default; q, k, v are 64 MiB each, the block-sparse
-mask (1, 1, S, S) bool 256 MiB):
+mask (1, 1, S, S) bool 256 MiB, the bias (1, N, S, S) 8 GiB):
   full                      dense attention, the baseline of every speed-up
   causal
   window_causal             local_window_size=(W, 0) with is_causal (W = --window, 1024)
@@ -11,6 +12,11 @@ mask (1, 1, S, S) bool 256 MiB):
   block_sparse              a boolean `mask` (1, 1, S, S) of 256 x 256 blocks (--mask-block),
                             ~1/8 of them True (the diagonal always), so whole kernel tiles
                             are all False
+  bias                      an additive bias (1, N, S, S) of unit normals (relative positions)
+  bias_keys                 an additive bias (B, 1, 1, S): 0, or -1e4 at a tenth of the keys
+  alibi_causal              alibi_slopes 2^-(n+1)/2 per head, with is_causal
+  softcap                   logits_soft_cap=30
+  dropout                   dropout_rate=0.1
 
 Per case and implementation: forward and forward+backward (jax.grad of the sum of the
 output) times, the speed-up over jaxflash `full`, and effective TFLOP/s counted two ways:
@@ -21,8 +27,8 @@ forward+backward counts 3.5x the forward (bwd = 2.5x fwd, as benchmarks/bench.py
 
 With --deterministic a row jaxflash_det times deterministic_backward=True beside it.
 cuDNN runs through jax.nn.dot_product_attention(implementation="cudnn") on the cases it
-takes; jax.nn has no segment ids, and a case cuDNN rejects (a symmetric window without
-is_causal) shows its reason. The jaxflash backward is the pinned kernel
+takes; jax.nn has no segment ids, ALiBi, soft cap or dropout, and a case cuDNN rejects (a
+symmetric window without is_causal, a bias broadcast over the queries) shows its reason. The jaxflash backward is the pinned kernel
 (implementation='cuda' on GPU, 'cpu' on the host): where it lacks a variant, the
 forward+backward column shows the error instead of timing a fallback.
 
@@ -65,7 +71,7 @@ class Case:
   operands: dict    # keyword arguments that are arrays (passed to jit, never baked in)
 
 
-def cases(B, S, window, num_docs, block, density, seed=0) -> list[Case]:
+def cases(B, S, N, window, num_docs, block, density, seed=0) -> list[Case]:
   docs = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) // (S // num_docs), (B, S))
   ids = dict(query_segment_ids=docs, key_value_segment_ids=docs)
   half = jnp.full((B,), S // 2, jnp.int32)
@@ -75,6 +81,10 @@ def cases(B, S, window, num_docs, block, density, seed=0) -> list[Case]:
   rng = np.random.default_rng(seed)
   blocks = (rng.random((nb, nb)) < density) | np.eye(nb, dtype=bool)
   mask = jnp.asarray(blocks.repeat(block, 0).repeat(block, 1)[None, None])
+  kb = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
+  bias = jax.random.normal(kb[0], (1, N, S, S), jnp.bfloat16)
+  bias_keys = jnp.where(jax.random.uniform(kb[1], (B, 1, 1, S)) < 0.9, 0.0, -1e4)
+  slopes = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32) / 2
   return [
       Case("full", {}, {}),
       Case("causal", dict(is_causal=True), {}),
@@ -84,14 +94,20 @@ def cases(B, S, window, num_docs, block, density, seed=0) -> list[Case]:
       Case("segments_causal", dict(is_causal=True), ids),
       Case("padding", {}, dict(query_seq_lengths=half, key_value_seq_lengths=half)),
       Case("block_sparse", {}, dict(mask=mask)),
+      Case("bias", {}, dict(bias=bias)),
+      Case("bias_keys", {}, dict(bias=bias_keys.astype(jnp.bfloat16))),
+      Case("alibi_causal", dict(is_causal=True), dict(alibi_slopes=slopes)),
+      Case("softcap", dict(logits_soft_cap=30.0), {}),
+      Case("dropout", dict(dropout_rate=0.1), dict(dropout_rng=kb[2])),
   ]
 
 
 def visible_pairs(case: Case, B, T, S, N) -> int:
   """Number of visible (b, n, t, s), by the specification's own visibility rule."""
-  ops = case.operands
-  count = jax.jit(lambda ops: jnp.sum(visibility(B, T, S, **case.static, **ops),
-                                      dtype=jnp.int32))
+  rules = set(inspect.signature(visibility).parameters)  # the variants that hide pairs
+  static = {a: x for a, x in case.static.items() if a in rules}
+  ops = {a: x for a, x in case.operands.items() if a in rules}
+  count = jax.jit(lambda ops: jnp.sum(visibility(B, T, S, **static, **ops), dtype=jnp.int32))
   heads = ops["mask"].shape[1] if "mask" in ops else 1  # visibility's N axis: the mask's
   return int(count(ops)) * (N // heads)
 
@@ -139,7 +155,7 @@ def run(args, impl) -> list[dict]:
   ks = jax.random.split(jax.random.PRNGKey(0), 3)
   q, k, v = (jax.random.normal(key, (B, S, N, H), jnp.float32).astype(jnp.bfloat16)
              for key in ks)
-  all_cases = cases(B, S, args.window, args.docs, args.mask_block, args.density)
+  all_cases = cases(B, S, N, args.window, args.docs, args.mask_block, args.density)
   impls = implementations(jax.default_backend(), impl, args.deterministic)
   rows = []
   for case, name in progress([(c, n) for c in all_cases for n in impls], "masked"):
@@ -235,7 +251,7 @@ def plot(rows, path) -> bool:
 
 
 def append_results(rows, env, shape, path, plot_name, note):
-  text = (f"\n## {env['date']} {env['device']} masked work (commit {env['commit']})\n\n"
+  text = (f"\n## {env['date']} {env['device']} masked and variant work (commit {env['commit']})\n\n"
           f"jax {env['jax']}, driver {env.get('driver')}, {env.get('cuda')}. "
           f"`benchmarks/masked.py`: {shape}. Cells: median ms (speed-up over jaxflash full) "
           "TFLOP/s dense/visible. Plot: "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import pathlib
+import sys
 import time
 
 import jax
@@ -102,13 +103,20 @@ def test_measure_point_times_only_right_outputs():
   assert t_fwd > 0 and t_bwd > 0 and config == "y" and errors[0].startswith("x: wrong output")
 
 
-def _ab_builds():
-  """benchmarks/ab_builds.py as a module (benchmarks/ is not a package)."""
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ab_builds.py"
-  spec = importlib.util.spec_from_file_location("ab_builds", path)
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name):
+  """benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+  spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
   return module
+
+
+def _ab_builds():
+  return _script("ab_builds")
 
 
 @pytest.mark.skipif(not _ffi.cpu_built(), reason="needs the compiled extension")
@@ -134,3 +142,24 @@ def test_ab_builds_runs_a_second_build_under_its_own_targets(tmp_path):
     twin_out = bench.attention_outputs(attn, q, k, v, dout, True)
   for a, b in zip(base_out, twin_out):
     assert jnp.array_equal(a, b)
+
+
+@pytest.mark.skipif(not _ffi.cpu_built(), reason="needs the compiled extension")
+@on_host
+def test_masked_times_every_case_and_counts_what_it_hides(monkeypatch):
+  """benchmarks/masked.py on a small shape: every case, the variants that hide nothing
+  included, runs forward and forward+backward through jaxflash's CPU kernel, and the visible
+  share follows the specification's rules only."""
+  monkeypatch.syspath_prepend(str(BENCHMARKS))  # masked.py imports bench.py beside it
+  masked = _script("masked")
+  args = masked.argparse.Namespace(batch=1, seqlen=256, heads=2, head_dim=32, window=32, docs=4,
+                                   mask_block=64, density=0.25, warmup=1, reps=1,
+                                   deterministic=False)
+  rows = {r["case"]: r for r in masked.run(args, "cpu") if r["impl"] == "jaxflash"}
+  assert {"bias", "bias_keys", "alibi_causal", "softcap", "dropout"} <= set(rows)
+  for case, r in rows.items():
+    assert isinstance(r["fwd"], float) and isinstance(r["fwd_bwd"], float), (case, r)
+  for case in ("full", "bias", "bias_keys", "softcap", "dropout"):
+    assert rows[case]["visible"] == 1.0
+  assert rows["alibi_causal"]["visible"] == rows["causal"]["visible"] == (256 * 257 / 2) / 256**2
+  assert rows["padding"]["visible"] == 0.25
