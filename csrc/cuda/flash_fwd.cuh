@@ -318,59 +318,90 @@ struct FwdVariants {
   }
 
   // This thread's S fragment (kMTiles, kNTilesS, 4) of the key tile at n0: raw q.k in, logits
-  // in log2 units out, -inf where the key is invisible. Bias and mask are read in place,
-  // only where visible (never past the lengths, hence never past T or S). The backward passes
-  // on_cap(mi, nt, c, 1 - tanh^2), the soft cap's derivative at element c of tile (mi, nt).
+  // in log2 units out, -inf where the key is invisible. Element c of tile (mi, nt) is row
+  // warp_row + 16 mi + g + 8 (c / 2), column 8 nt + 2 tig + c % 2. Each variant is a pass of
+  // its own under one uniform test, and the visibility tests run only where this warp's block
+  // is not seen whole: per element the code then holds just the live variants' arithmetic.
+  // Bias and mask are read in place, only inside the lengths (never past T or S). The
+  // backward passes on_cap(mi, nt, c, 1 - tanh^2), the soft cap's derivative at element c of
+  // tile (mi, nt).
   template <int kMTiles, int kNTilesS, typename OnCap = NoCapHook>
   __device__ void logits(const FwdParams& p, float (&acc_s)[kMTiles][kNTilesS][4], int n0,
                          int warp_row, int g, int tig, OnCap on_cap = {}) const {
+    // This struct is in shared memory, and on_cap stores there: its fields are read once.
+    const int rows = q_rows, kv_lim = kv_len - n0;  // tile rows r < rows, columns c < kv_lim
+    const T* const bias_p = bias;
+    const uint8_t* const mask_p = mask;
+    const int32_t* const q_seg_p = q_seg;
+    const int32_t* const kv_seg_p = kv_seg;
+    const float slope_v = slope;
     const int64_t diag64 = int64_t{m0} - n0 + shift;
-    int hi_d = 1 << 20, lo_d = -(1 << 20);  // visible: lo_d <= col - row <= hi_d
+    const int diag = clamp_diag(diag64);  // for ALiBi; exact for any real lengths
+    auto for_each = [&](auto&& f) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            f(mi, nt, c, warp_row + 16 * mi + g + 8 * (c / 2), 8 * nt + 2 * tig + c % 2);
+    };
+    // This warp's block: rows warp_row .. + 16 kMTiles - 1, columns 0 .. 8 kNTilesS - 1.
+    const bool inside = warp_row + 16 * kMTiles <= rows && 8 * kNTilesS <= kv_lim;
+
+    if (p.softcap > 0.f) {
+      const float in = p.scale / p.softcap, cap = p.softcap;
+      for_each([&](int mi, int nt, int c, int, int) {
+        const float th = tanhf(acc_s[mi][nt][c] * in);
+        on_cap(mi, nt, c, 1.f - th * th);
+        acc_s[mi][nt][c] = cap * th;
+      });
+    } else {
+      const float scale = p.scale;
+      for_each([&](int mi, int nt, int c, int, int) { acc_s[mi][nt][c] *= scale; });
+    }
+    if (bias_p) {
+      const int64_t rs = p.bias_strides.row, cs = p.bias_strides.col;
+      for_each([&](int mi, int nt, int c, int row, int col) {
+        if (inside || (row < rows && col < kv_lim))
+          acc_s[mi][nt][c] += static_cast<float>(bias_p[row * rs + (n0 + col) * cs]);
+      });
+    }
+    if (p.alibi_slopes)
+      for_each([&](int mi, int nt, int c, int row, int col) {
+        acc_s[mi][nt][c] -= slope_v * fabsf(static_cast<float>(col - row - diag));
+      });
+
+    // Visible: row < rows, col < kv_lim, lo_d <= col - row <= hi_d, the segment ids equal,
+    // the mask true. Tested per element only where some element of the block may fail.
+    int hi_d = 1 << 20, lo_d = -(1 << 20);
     if (p.is_causal) hi_d = clamp_diag(diag64);
     if (p.window_right >= 0)
       hi_d = min(hi_d, clamp_diag(diag64 + min(p.window_right, int64_t{1} << 31)));
     if (p.window_left >= 0) lo_d = clamp_diag(diag64 - min(p.window_left, int64_t{1} << 31));
-    const int diag = clamp_diag(diag64);  // for ALiBi; exact for any real lengths
-    const int kv_lim = kv_len - n0;       // tile columns c < kv_lim are valid keys
     // The mask is read per element only where the summary has a false element in this block
     // of rows and keys (a block with no valid row or key shows nothing whatever it reads).
-    const uint8_t* mask_el = mask;
+    const uint8_t* mask_el = mask_p;
     if (mask_slab) {
-      const int r1 = min(warp_row + kMTiles * 16, q_rows), c1 = min(kNTilesS * 8, kv_lim);
+      const int r1 = min(warp_row + kMTiles * 16, rows), c1 = min(kNTilesS * 8, kv_lim);
       if (r1 <= warp_row || c1 <= 0 ||
           !(MaskTiles(p).bits(mask_slab, m0 + warp_row, m0 + r1, n0, n0 + c1) & kMaskHidden))
         mask_el = nullptr;
     }
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = warp_row + mi * 16 + g + h * 8;
-        const bool row_ok = row < q_rows;
-        const int row_seg = kv_seg && row_ok ? q_seg[row] : 0;
-#pragma unroll
-        for (int nt = 0; nt < kNTilesS; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int col = nt * 8 + tig * 2 + e;
-            float& x = acc_s[mi][nt][2 * h + e];
-            bool vis = row_ok && col < kv_lim && col - row >= lo_d && col - row <= hi_d;
-            if (kv_seg) vis = vis && kv_seg[n0 + col] == row_seg;
-            if (mask_el)
-              vis = vis && mask_el[row * p.mask_strides.row + (n0 + col) * p.mask_strides.col] != 0;
-            float y = x * p.scale;
-            if (p.softcap > 0.f) {
-              const float th = tanhf(y / p.softcap);
-              on_cap(mi, nt, 2 * h + e, 1.f - th * th);
-              y = p.softcap * th;
-            }
-            if (bias && vis)
-              y += static_cast<float>(
-                  bias[row * p.bias_strides.row + (n0 + col) * p.bias_strides.col]);
-            if (p.alibi_slopes) y -= slope * fabsf(static_cast<float>(col - row - diag));
-            x = vis ? y * 1.4426950408889634f : -INFINITY;
-          }
-      }
+    const int d_min = -(warp_row + 16 * kMTiles - 1), d_max = 8 * kNTilesS - 1 - warp_row;
+    const bool test = !inside || d_min < lo_d || d_max > hi_d || kv_seg_p || mask_el;
+    constexpr float kLog2e = 1.4426950408889634f;
+    if (!test) {
+      for_each([&](int mi, int nt, int c, int, int) { acc_s[mi][nt][c] *= kLog2e; });
+      return;
+    }
+    const int64_t mrs = p.mask_strides.row, mcs = p.mask_strides.col;
+    for_each([&](int mi, int nt, int c, int row, int col) {
+      bool vis = row < rows && col < kv_lim && col - row >= lo_d && col - row <= hi_d;
+      if (kv_seg_p) vis = vis && kv_seg_p[n0 + col] == q_seg_p[row];
+      if (mask_el) vis = vis && mask_el[row * mrs + (n0 + col) * mcs] != 0;
+      acc_s[mi][nt][c] = vis ? acc_s[mi][nt][c] * kLog2e : -INFINITY;
+    });
   }
 
   // For a CTA that keeps one key tile, [n0, n1) (the backward's): whether its rows test the mask
