@@ -156,6 +156,12 @@ def run(args, impl) -> list[dict]:
   q, k, v = (jax.random.normal(key, (B, S, N, H), jnp.float32).astype(jnp.bfloat16)
              for key in ks)
   all_cases = cases(B, S, N, args.window, args.docs, args.mask_block, args.density)
+  if args.cases:  # full stays: it is every speed-up's baseline
+    unknown = set(args.cases) - {c.name for c in all_cases}
+    if unknown:
+      raise ValueError(f"--cases: no case {sorted(unknown)}; cases: "
+                       f"{', '.join(c.name for c in all_cases)}")
+    all_cases = [c for c in all_cases if c.name == "full" or c.name in args.cases]
   impls = implementations(jax.default_backend(), impl, args.deterministic)
   rows = []
   for case, name in progress([(c, n) for c in all_cases for n in impls], "masked"):
@@ -275,6 +281,8 @@ def main(argv=None):
   p.add_argument("--density", type=float, default=0.125, help="block-sparse: True block share")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--cases", nargs="+", metavar="CASE",
+                 help="time only these cases (and full); default: all of them")
   p.add_argument("--deterministic", action="store_true",
                  help="also time jaxflash with deterministic_backward=True (row jaxflash_det)")
   p.add_argument("--quick", action="store_true",

@@ -154,7 +154,7 @@ def test_masked_times_every_case_and_counts_what_it_hides(monkeypatch):
   masked = _script("masked")
   args = masked.argparse.Namespace(batch=1, seqlen=256, heads=2, head_dim=32, window=32, docs=4,
                                    mask_block=64, density=0.25, warmup=1, reps=1,
-                                   deterministic=False)
+                                   deterministic=False, cases=None)
   rows = {r["case"]: r for r in masked.run(args, "cpu") if r["impl"] == "jaxflash"}
   assert {"bias", "bias_keys", "alibi_causal", "softcap", "dropout"} <= set(rows)
   for case, r in rows.items():
@@ -163,3 +163,8 @@ def test_masked_times_every_case_and_counts_what_it_hides(monkeypatch):
     assert rows[case]["visible"] == 1.0
   assert rows["alibi_causal"]["visible"] == rows["causal"]["visible"] == (256 * 257 / 2) / 256**2
   assert rows["padding"]["visible"] == 0.25
+  args.cases = ["softcap"]
+  assert [r["case"] for r in masked.run(args, "cpu")] == ["full", "softcap"]
+  args.cases = ["softcapp"]
+  with pytest.raises(ValueError, match="softcapp"):
+    masked.run(args, "cpu")

@@ -110,15 +110,6 @@ __device__ __forceinline__ float exp2_fast(float x) {  // 2^-inf = 0, NaN stays 
   return y;
 }
 
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-  } else {
-    return __half22float2(*reinterpret_cast<const __half2*>(&v));
-  }
-}
-
 // dst[0..1] += (x, y) in global fp32 memory; one vector atomic on sm90.
 __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

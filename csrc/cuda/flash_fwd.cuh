@@ -362,10 +362,21 @@ struct FwdVariants {
     }
     if (bias_p) {
       const int64_t rs = p.bias_strides.row, cs = p.bias_strides.col;
-      for_each([&](int mi, int nt, int c, int row, int col) {
-        if (inside || (row < rows && col < kv_lim))
-          acc_s[mi][nt][c] += static_cast<float>(bias_p[row * rs + (n0 + col) * cs]);
-      });
+      // Keys contiguous and rows 4-byte aligned: an element pair's two keys in one load.
+      if (inside && cs == 1 && rs % 2 == 0 && (reinterpret_cast<uintptr_t>(bias_p) & 3) == 0) {
+        for_each([&](int mi, int nt, int c, int row, int col) {
+          if (c % 2) return;
+          const T* at = bias_p + row * rs + n0 + col;
+          const float2 b = unpack2<T>(*reinterpret_cast<const uint32_t*>(at));
+          acc_s[mi][nt][c] += b.x;
+          acc_s[mi][nt][c + 1] += b.y;
+        });
+      } else {
+        for_each([&](int mi, int nt, int c, int row, int col) {
+          if (inside || (row < rows && col < kv_lim))
+            acc_s[mi][nt][c] += static_cast<float>(bias_p[row * rs + (n0 + col) * cs]);
+        });
+      }
     }
     if (p.alibi_slopes)
       for_each([&](int mi, int nt, int c, int row, int col) {

@@ -126,6 +126,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// One register of two 16-bit values -> (lo, hi) in fp32.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  }
+}
+
 // What pack2 drops of x: x minus x rounded to T (the low part of a two-term split).
 template <typename T>
 __device__ __forceinline__ float rounding_residue(float x) {

@@ -1292,7 +1292,7 @@ __global__ void __launch_bounds__(PrepBeside<kHeadDim>::kThreads, 1)
               const uint32_t ow[4] = {o[i][h].x, o[i][h].y, o[i][h].z, o[i][h].w};
 #pragma unroll
               for (int k = 0; k < 4; ++k) {
-                const float2 df = bwd::unpack2<T>(dw[k]), of = bwd::unpack2<T>(ow[k]);
+                const float2 df = unpack2<T>(dw[k]), of = unpack2<T>(ow[k]);
                 acc += of.x * df.x + of.y * df.y;
               }
             }
