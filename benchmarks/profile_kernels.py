@@ -8,6 +8,7 @@ only at head dims the CUDA backward lacks).
   compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --rules
   compute-sanitizer --tool racecheck python benchmarks/profile_kernels.py --many-tiles
   compute-sanitizer --tool memcheck python benchmarks/profile_kernels.py --many-tiles --deterministic
+  compute-sanitizer --tool memcheck python benchmarks/profile_kernels.py --variants
 """
 
 import argparse
@@ -38,6 +39,11 @@ p.add_argument("--sections", type=int, nargs="?", const=2500, default=None,
                help="a causal GQA problem of this many rows (2500: past the backward's first-store "
                     "tickets, 6 (b, kv head) pairs; up to 2048: within them, 10 pairs) whose pairs "
                     "fill two sections of the backward's grid, the last narrower (sanitizers)")
+p.add_argument("--variants", action="store_true",
+               help="the segments problem's shape through the sm80-class variant kernels, four "
+                    "calls: a (B, N, T, S) bias with bottom-right causal and ragged lengths, a bias "
+                    "over the keys, soft cap with ALiBi and a window, a mask with dropout "
+                    "(sanitizers)")
 p.add_argument("--kv", type=int, default=300,
                help="keys of the --many-tiles problem")
 p.add_argument("--jump", action="store_true",
@@ -48,7 +54,7 @@ p.add_argument("--deterministic", action="store_true", help="deterministic_backw
 p.add_argument("--reps", type=int, default=2)
 a = p.parse_args()
 B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small
-                    else (2, 300, 700, 4, 2, a.D) if a.segments or a.rules
+                    else (2, 300, 700, 4, 2, a.D) if a.segments or a.rules or a.variants
                     else (2, 1400, a.kv, 9, 3, a.D) if a.many_tiles
                     else (3 if a.sections > 2048 else 5, a.sections, a.sections, 4, 2, a.D)
                     if a.sections
@@ -70,12 +76,25 @@ Dv = a.Dv or D
 v = jax.random.normal(keys[2], (B, S, K, Dv), jnp.bfloat16)
 dout = jax.random.normal(keys[3], (B, T, N, Dv), jnp.bfloat16)
 has_bwd = _calls.cuda_bwd_head_dims_error(D, Dv) is None
-attn = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=a.causal, implementation="cuda",
-                                          deterministic_backward=a.deterministic, **ids)
-fwd = jax.jit(attn)
-bwd = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))
-for _ in range(a.reps):
-  jax.block_until_ready(fwd(q, k, v))
-  if has_bwd:
-    jax.block_until_ready(bwd(q, k, v, dout))
+calls = [dict(is_causal=a.causal, **ids)]
+if a.variants:
+  vkeys = jax.random.split(jax.random.PRNGKey(1), 4)
+  lens = dict(query_seq_lengths=jnp.array([300, 170], jnp.int32),
+              key_value_seq_lengths=jnp.array([650, 700], jnp.int32))
+  calls = [dict(bias=jax.random.normal(vkeys[0], (B, N, T, S), jnp.bfloat16), is_causal=True,
+                causal_alignment="bottom_right", **lens),
+           dict(bias=jax.random.normal(vkeys[1], (B, 1, 1, S), jnp.bfloat16), **lens),
+           dict(logits_soft_cap=20.0, alibi_slopes=jnp.full((N,), 0.1),
+                local_window_size=(200, 40), **lens),
+           dict(mask=jax.random.uniform(vkeys[2], (B, 1, T, S)) < 0.7, dropout_rate=0.2,
+                dropout_rng=vkeys[3], **lens)]
+for kw in calls:
+  attn = lambda q, k, v, kw=kw: jaxflash.attention(q, k, v, implementation="cuda",
+                                                   deterministic_backward=a.deterministic, **kw)
+  fwd = jax.jit(attn)
+  bwd = jax.jit(lambda q, k, v, dout, attn=attn: jax.vjp(attn, q, k, v)[1](dout))
+  for _ in range(a.reps):
+    jax.block_until_ready(fwd(q, k, v))
+    if has_bwd:
+      jax.block_until_ready(bwd(q, k, v, dout))
 print("done", B, T, S, N, K, D, Dv, "forward and backward" if has_bwd else "forward")
