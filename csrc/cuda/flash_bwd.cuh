@@ -104,12 +104,6 @@ __device__ __forceinline__ int swz(int row, int col) {
   return row * kCols + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
-__device__ __forceinline__ float exp2_fast(float x) {  // 2^-inf = 0, NaN stays NaN
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // dst[0..1] += (x, y) in global fp32 memory; one vector atomic on sm90.
 __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -858,7 +852,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
               float pv[2], keep[2];
 #pragma unroll
               for (int c = 0; c < 2; ++c) {
-                pv[c] = exp2_fast(acc_s[i][j][2 * h + c] - lse_log2);
+                pv[c] = exp2_approx(acc_s[i][j][2 * h + c] - lse_log2);
                 keep[c] = p.dropout_seeds ? v.keep(p, row_hash, n0 + s_k0 + 8 * j + 2 * tq + c) : 1.f;
               }
               const uint32_t at = st_row + (16 * i + 8 * h) * N * 2 + (((s_k0 / 8 + j) ^ g) << 4);
@@ -882,7 +876,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) main_kernel(cons
               float pv[2];
 #pragma unroll
               for (int c = 0; c < 2; ++c) {
-                pv[c] = exp2_fast(acc_s[i][j][2 * h + c] * p.scale_log2 - lse_log2);
+                pv[c] = exp2_approx(acc_s[i][j][2 * h + c] * p.scale_log2 - lse_log2);
                 if (need_mask) {
                   const int key = n0 + s_k0 + 8 * j + 2 * tq + c, query = m0 + qr;
                   const bool vis = key < seq_s && query < seq_t && (!kCausal || key <= query);
@@ -1237,7 +1231,7 @@ __global__ void __launch_bounds__(Tiles<kHeadDim>::kThreads, 1) dbias_kernel(con
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int key = s_k0 + 8 * jj + 2 * tq + e;
-            const float pv = exp2_fast(acc_s[i][jj][2 * h + e] - lse_log2);
+            const float pv = exp2_approx(acc_s[i][jj][2 * h + e] - lse_log2);
             const float keep = p.dropout_seeds ? v.keep(p, row_hash, n0 + key) : 1.f;
             // elements past T or S do not exist (their dZ may be NaN: 0 * (NaN dP))
             if (m0 + qr < seq_t && n0 + key < seq_s)
