@@ -37,6 +37,7 @@ as PASS/FAIL lines: a report, not an assertion.
 
   python benchmarks/masked.py --commit $(git rev-parse --short HEAD)        # GPU, full size
   python benchmarks/masked.py --quick                                        # CPU smoke test
+  python benchmarks/masked.py --cases bias softcap --results /tmp/r.md       # some cases, and full
 """
 
 from __future__ import annotations
