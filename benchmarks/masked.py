@@ -28,9 +28,10 @@ forward+backward counts 3.5x the forward (bwd = 2.5x fwd, as benchmarks/bench.py
 With --deterministic a row jaxflash_det times deterministic_backward=True beside it.
 cuDNN runs through jax.nn.dot_product_attention(implementation="cudnn") on the cases it
 takes; jax.nn has no segment ids, ALiBi, soft cap or dropout, and a case cuDNN rejects (a
-symmetric window without is_causal, a bias broadcast over the queries) shows its reason. The jaxflash backward is the pinned kernel
-(implementation='cuda' on GPU, 'cpu' on the host): where it lacks a variant, the
-forward+backward column shows the error instead of timing a fallback.
+symmetric window without is_causal, a bias broadcast over the queries) shows its reason. The
+jaxflash backward is the pinned kernel (implementation='cuda' on GPU, 'cpu' on the host):
+where it lacks a variant, the forward+backward column shows the error instead of timing a
+fallback.
 
 The ratio checks the issue asks for (window >= 5x faster than full, causal ~2x) are printed
 as PASS/FAIL lines: a report, not an assertion.

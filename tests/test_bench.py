@@ -115,16 +115,12 @@ def _script(name):
   return module
 
 
-def _ab_builds():
-  return _script("ab_builds")
-
-
 @pytest.mark.skipif(not _ffi.cpu_built(), reason="needs the compiled extension")
 @on_host
 def test_ab_builds_runs_a_second_build_under_its_own_targets(tmp_path):
   """A second copy of the extension, loaded by ab_builds, serves every call traced inside
   renamed() (the custom_vjp's backward too) and gives the installed build's results."""
-  ab = _ab_builds()
+  ab = _script("ab_builds")
   ab.load_build("twin", _ffi._ext.__file__, str(tmp_path))
   q, k, v, dout = bench.bench_inputs(1, 96, 80, 4, 2, 32, jnp.float32)
   attn = lambda q, k, v, c: jaxflash.attention(q, k, v, is_causal=c, implementation="cpu")
