@@ -40,10 +40,11 @@ p.add_argument("--sections", type=int, nargs="?", const=2500, default=None,
                     "tickets, 6 (b, kv head) pairs; up to 2048: within them, 10 pairs) whose pairs "
                     "fill two sections of the backward's grid, the last narrower (sanitizers)")
 p.add_argument("--variants", action="store_true",
-               help="the segments problem's shape through the sm80-class variant kernels, four "
-                    "calls: a (B, N, T, S) bias with bottom-right causal and ragged lengths, a bias "
-                    "over the keys, soft cap with ALiBi and a window, a mask with dropout "
-                    "(sanitizers)")
+               help="the segments problem's shape through the variant kernels, five calls: a "
+                    "(B, N, T, S) bias with bottom-right causal and ragged lengths, a bias over "
+                    "the keys, soft cap with ALiBi and a window (its forward alone on the sm90 "
+                    "rules kernel on Hopper), a mask with dropout (the sm80-class kernels), soft "
+                    "cap with a window (the sm90 rules kernels, forward and backward) (sanitizers)")
 p.add_argument("--kv", type=int, default=300,
                help="keys of the --many-tiles problem")
 p.add_argument("--jump", action="store_true",
@@ -87,7 +88,8 @@ if a.variants:
            dict(logits_soft_cap=20.0, alibi_slopes=jnp.full((N,), 0.1),
                 local_window_size=(200, 40), **lens),
            dict(mask=jax.random.uniform(vkeys[2], (B, 1, T, S)) < 0.7, dropout_rate=0.2,
-                dropout_rng=vkeys[3], **lens)]
+                dropout_rng=vkeys[3], **lens),
+           dict(logits_soft_cap=20.0, local_window_size=(200, 40), **lens)]
 for kw in calls:
   attn = lambda q, k, v, kw=kw: jaxflash.attention(q, k, v, implementation="cuda",
                                                    deterministic_backward=a.deterministic, **kw)

@@ -91,6 +91,10 @@ def _cases(T, S):
                                         key_value_segment_ids=_ids(32, S, 3, sort=False),
                                         is_causal=True), {}),
       "softcap_alibi": (dict(logits_soft_cap=1.5), dict(alibi_slopes=jnp.abs(_rand(2, (N,))))),
+      # the soft cap alone and with the rules: the sm90 kernels' (forward and backward) on Hopper
+      "softcap_causal": (dict(logits_soft_cap=2.0, is_causal=True), {}),
+      "softcap_lengths_window": (dict(logits_soft_cap=4.0, local_window_size=(40, 10), **LENGTHS),
+                                 {}),
       "alibi_batched_bottom_right": (dict(causal_alignment="bottom_right", is_causal=True),
                                      dict(alibi_slopes=jnp.abs(_rand(3, (B, N))))),
       "mask_lengths": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(4), 0.6, (B, 1, T, S)),
@@ -193,6 +197,17 @@ def test_cuda_variant(case, head_dim, dtype):
   _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, dtype=dtype)
 
 
+# ALiBi (with the soft cap) in a forward with no backward: on Hopper the sm90 forward runs it,
+# which it does not where the backward needs the sm80 forward's fp32 O (test_o_f32_residual).
+@pytest.mark.gpu
+@gpu
+@GPU_DTYPES
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", ["softcap_alibi", "alibi_batched_bottom_right"])
+def test_cuda_variant_forward(case, head_dim, dtype):
+  _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, with_grads=False, dtype=dtype)
+
+
 # Segment ids where documents span several 128-key tiles (GPU_T, GPU_S hold 2-3 key tiles):
 # the sm90 forward skips the key tiles a query tile has no id of, and runs tiles whose rows and
 # keys carry one id without the element test, the others with it. T, S not tile multiples; GQA.
@@ -213,7 +228,7 @@ def test_cuda_segments_long(case, head_dim):
 @gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("case", ["lengths_causal", "segments_causal_window", "softcap_alibi",
-                                  "bias_heads_causal", "bias_keys_causal",
+                                  "softcap_lengths_window", "bias_heads_causal", "bias_keys_causal",
                                   "bias_heads_rows_causal", "bias_full_mask", "everything"])
 def test_cuda_deterministic_variant(case, head_dim):
   """deterministic_backward=True: the ordered dQ sums and the dbias kernel of a broadcast bias

@@ -31,8 +31,9 @@
 // Variants: a second instantiation, kRules, runs the key-range rules (lengths, window, causal
 // alignment; rules.cuh) and segment ids (BwdSegShared): a CTA visits only the query tiles that
 // may see its keys, and warps test elements only where their 16 keys are not seen whole by
-// the step's queries. deterministic_backward (every kernel): the CTAs that visit a query
-// tile add their dQ to it one after the other, in a fixed order (the dQ writer).
+// the step's queries. It runs the soft cap too, an elementwise pass on every step.
+// deterministic_backward (every kernel): the CTAs that visit a query tile add their dQ to it
+// one after the other, in a fixed order (the dQ writer).
 // Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is
 // cols / 64 column blocks of (rows, 64), each row 128 bytes with chunk c at c ^ (row % 8).
 #pragma once
@@ -924,6 +925,12 @@ __global__ void __launch_bounds__(384, 1)
       }
       wgmma_wait<1>();
       fence_regs(acc_s);
+      // The rules kernel's soft cap, in q.k's units: S^T = c tanh(scale S^T / c) / scale.
+      if (kRules && p.softcap > 0.f) {
+        const float in = p.scale / p.softcap, out = p.softcap / p.scale;
+#pragma unroll
+        for (int i = 0; i < kNS; ++i) acc_s[i] = out * tanhf(acc_s[i] * in);
+      }
       // Two copies of the loop, with and without the element test: as one loop with the test
       // selected by `edge`, ptxas computed every element's predicate ahead of the S^T GEMM
       // and kept them in registers (P2R) on every step.
@@ -980,6 +987,22 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int c = 0; c < 4; ++c)
           acc_dp[4 * i + c] = acc_s[4 * i + c] * (acc_dp[4 * i + c] - (c % 2 ? d.y : d.x));
+      }
+      // The soft cap's derivative, dS^T *= 1 - tanh^2, with tanh taken back from P^T =
+      // 2^(c log2(e) tanh - lse_log2): no register holds it across the dP^T wait. Where P^T
+      // is 0 (hidden, or past the query length: lse_log2 = +inf) tanh is -inf or NaN, which
+      // the clamp to -1 turns into a factor of 0.
+      if (kRules && p.softcap > 0.f) {
+        const float to_tanh = 1.f / (p.softcap * 1.4426950408889634f);
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i) {
+          const float2 l = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * tig);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const float th = fmaxf((log2f(acc_s[4 * i + c]) + (c % 2 ? l.y : l.x)) * to_tanh, -1.f);
+            acc_dp[4 * i + c] *= 1.f - th * th;
+          }
+        }
       }
 #pragma unroll
       for (int kk = 0; kk < kSK; ++kk)

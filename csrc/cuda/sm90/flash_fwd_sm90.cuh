@@ -32,8 +32,10 @@
 // Variants: a second instantiation, kRules, runs the rules that only hide whole regions of
 // keys: lengths, window, causal alignment (Rules) and segment ids (SegShared). It visits only
 // the key tiles that some query of the CTA may see and tests elements only on tiles that a
-// warp's 16 rows do not see whole; the other variants (bias, mask, ALiBi, soft cap, dropout)
-// run on the sm80 variant kernel (select.h).
+// warp's 16 rows do not see whole. It also runs the elementwise variants that need no operand
+// but a slope, the soft cap and ALiBi, on every tile; the others (bias, mask, dropout), and
+// the fp32 O that the backward of a bias or ALiBi takes (params.h o_f32), run on the sm80
+// variant kernel (select.h).
 //
 // Shared tiles are TMA's 128-byte swizzle: a (rows, H) tile is H / 64 column blocks of
 // (rows, 64) elements, each row 128 bytes with its 16-byte chunk c stored at c ^ (row % 8).
@@ -518,6 +520,8 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
       float row_max[2] = {-INFINITY, -INFINITY};  // log2-scaled logits, rows g and g + 8
       float row_sum[2] = {0.f, 0.f};              // this lane's share; quad-summed at the end
+      // ALiBi's slope in q.k's units (the softmax multiplies the logits by scale_log2).
+      const float alibi_raw = kRules && p.alibi_slopes ? p.alibi_slopes[bn] / p.scale : 0.f;
 
       // Segment ids: those of this thread's rows g, g + 8, and the warp's range over its rows
       // t < q_len (rows past q_len see nothing by the rules, whatever their id).
@@ -589,18 +593,36 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         if (lane == 0) mbar_arrive(bar_empty_v + 8 * ((kv_base + it) % kStages));
       };
       // Keys >= S and under causal keys s > t (or what the rules hide) set to -inf in a
-      // completed S, only on tiles that need it.
+      // completed S, only on tiles that need it (the rules kernel's soft cap and ALiBi first,
+      // on every tile).
       // ns: the floats of acc_s that hold S (kNS, or kNS / 2 on a half tile); the lambdas
       // take a pointer because the half tile's array is a type of its own.
       auto mask_tile = [&](float* acc_s, int it, int ns) {
         const int n0 = (kRules ? seg.tile[(kv_base + it) % kStages] : j_lo + n_blocks - 1 - it) *
                        kBlockN;
         if constexpr (kRules) {
+          const Rules r(p, b);
+          const int64_t diag = int64_t{m0 + wr} - n0 + r.shift;
+          // The elementwise variants on every tile, in q.k's units: the soft cap
+          // c tanh(scale s / c) / scale, then ALiBi's -slope |col - row - diag| / scale.
+          if (p.softcap > 0.f) {
+            const float in = p.scale / p.softcap, out = p.softcap / p.scale;
+#pragma unroll
+            for (int i = 0; i < kNS; ++i) acc_s[i] = out * tanhf(acc_s[i] * in);
+          }
+          if (p.alibi_slopes) {
+            const float d0 = static_cast<float>(int64_t{2 * tig - g} - diag);  // at i = c = 0
+#pragma unroll
+            for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) {
+                const float d = d0 + static_cast<float>(8 * i + c % 2 - 8 * (c / 2));
+                acc_s[4 * i + c] -= alibi_raw * fabsf(d);
+              }
+          }
           // This warp's rows t = m0 + wr + row (row < 16) see key n0 + col iff row < q_rows,
           // col < kv_limit and lo_d <= col - row <= hi_d; a tile all of whose elements pass
           // skips the test.
-          const Rules r(p, b);
-          const int64_t diag = int64_t{m0 + wr} - n0 + r.shift;
           const int q_rows = r.q_len - (m0 + wr), kv_limit = r.kv_len - n0;
           if (q_rows < 16 || kv_limit < kBlockN || diag - r.wl > -15 || diag + r.hi < kBlockN - 1) {
             const int lo_d = clamp_diag(diag - r.wl), hi_d = clamp_diag(diag + r.hi);
@@ -1053,8 +1075,8 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 // Launches the sm90 forward on `stream`; false (nothing launched) when the TMA descriptors
 // cannot be built. Preconditions (select.h checks them): a cc 9.x device, p.s > 0, no variant
-// but the rules (Rules, segment ids), and at H = 256 none at all. The rules kernel covers
-// causal too, so each file compiles it once.
+// but the rules (Rules, segment ids), the soft cap and ALiBi, and at H = 256 none at all. The
+// rules kernel covers causal too, so each file compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim == 256) {

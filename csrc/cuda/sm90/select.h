@@ -1,10 +1,11 @@
 // Chooses between the sm90 (TMA + wgmma) kernels and the sm80 (mma.sync) ones at run time.
 // The sm90 kernels are compiled only when the build targets sm_90a (JAXFLASH_SM90, set by
 // cmake/cuda.cmake) and run only on a cc 9.x device at H == Hv: the forward at H in {64, 128}
-// for attention with at least one key whose variants are only the rules of sm90_rules_only, at
-// H = 256 for plain (optionally causal) attention; the backward at H in {64, 128} for the
-// forward's cases with T, S > 0, at H = 256 for plain (optionally causal) attention with T,
-// S > 0, the same cases with deterministic_backward.
+// for attention with at least one key whose variants are those of sm90_fwd_variants_ok, at
+// H = 256 for plain (optionally causal) attention; the backward at H in {64, 128} for
+// attention with T, S > 0 whose variants are those of sm90_bwd_variants_ok, at H = 256
+// for plain (optionally causal) attention with T, S > 0, the same cases with
+// deterministic_backward.
 // JAXFLASH_DISABLE_SM90=1 forces the sm80 kernels (A/B benchmarking).
 #pragma once
 
@@ -64,21 +65,27 @@ inline bool tma_strides_ok(const FwdParams& p) {
                          p.v_batch_stride});
 }
 
-// Of the variants, the sm90 kernel runs the rules that hide whole regions of keys: lengths,
-// window and causal alignment cut each query row's key range, segment ids the key tiles
-// whose ids a query tile does not have. The others need per-element operands (sm80).
-inline bool sm90_rules_only(const FwdParams& p) {
-  return !p.bias && !p.mask && !p.alibi_slopes && !p.dropout_seeds && !(p.softcap > 0.f);
+// Of the variants, the sm90 rules kernels run those that hide whole regions of keys (lengths,
+// window and causal alignment cut each query row's key range, segment ids the key tiles whose
+// ids a query tile does not have) and the elementwise ones that need no operand but a slope a
+// head: the forward the soft cap and ALiBi, the backward the soft cap (ALiBi's would add
+// dalibi's reduction). Bias, mask and dropout need per-element operands (sm80).
+inline bool sm90_fwd_variants_ok(const FwdParams& p) {
+  return !p.bias && !p.mask && !p.dropout_seeds;
+}
+inline bool sm90_bwd_variants_ok(const BwdParams& p) {
+  return sm90_fwd_variants_ok(p) && !p.alibi_slopes;
 }
 
 inline bool use_fwd_sm90(const FwdParams& p) {
-  return !sm90_disabled_by_env() && p.s > 0 && sm90_rules_only(p) && tma_strides_ok(p) &&
+  return !sm90_disabled_by_env() && p.s > 0 && sm90_fwd_variants_ok(p) && tma_strides_ok(p) &&
          tma_strides_ok({p.o_head_stride, p.o_row_stride, p.o_batch_stride}) &&
          p.b < (int64_t{1} << 31) && current_cc_major() == 9;
 }
 
 inline bool use_bwd_sm90(const BwdParams& p) {
-  return !sm90_disabled_by_env() && p.s > 0 && p.t > 0 && sm90_rules_only(p) && tma_strides_ok(p) &&
+  return !sm90_disabled_by_env() && p.s > 0 && p.t > 0 && sm90_bwd_variants_ok(p) &&
+         tma_strides_ok(p) &&
          tma_strides_ok({p.do_head_stride, p.do_row_stride, p.do_batch_stride}) &&
          p.b < (int64_t{1} << 31) && current_cc_major() == 9;
 }
