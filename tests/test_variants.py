@@ -197,15 +197,20 @@ def test_cuda_variant(case, head_dim, dtype):
   _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, dtype=dtype)
 
 
-# ALiBi (with the soft cap) in a forward with no backward: on Hopper the sm90 forward runs it,
-# which it does not where the backward needs the sm80 forward's fp32 O (test_o_f32_residual).
+# ALiBi and a bias in a forward with no backward: on Hopper the sm90 forward runs them (a bias
+# whose key pairs are 4-byte aligned: S even), which it does not where the backward needs the
+# sm80 forward's fp32 O (test_o_f32_residual).
 @pytest.mark.gpu
 @gpu
-@GPU_DTYPES
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("case", ["softcap_alibi", "alibi_batched_bottom_right"])
-def test_cuda_variant_forward(case, head_dim, dtype):
-  _check_case("cuda", case, GPU_T, GPU_S, head_dim, head_dim, with_grads=False, dtype=dtype)
+@pytest.mark.parametrize("case, s, dtype", [
+    ("softcap_alibi", GPU_S, jnp.bfloat16), ("softcap_alibi", GPU_S, jnp.float16),
+    ("alibi_batched_bottom_right", GPU_S, jnp.bfloat16),
+    ("bias_heads_causal", GPU_S + 1, jnp.bfloat16), ("bias_heads_causal", GPU_S + 1, jnp.float16),
+    ("bias_keys_causal", GPU_S + 1, jnp.bfloat16), ("bias_shared_causal", GPU_S + 1, jnp.bfloat16),
+], ids=lambda x: x if isinstance(x, (str, int)) else jnp.dtype(x).name)
+def test_cuda_variant_forward(case, s, dtype, head_dim):
+  _check_case("cuda", case, GPU_T, s, head_dim, head_dim, with_grads=False, dtype=dtype)
 
 
 # Segment ids where documents span several 128-key tiles (GPU_T, GPU_S hold 2-3 key tiles):

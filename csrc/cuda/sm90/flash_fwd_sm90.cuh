@@ -32,10 +32,10 @@
 // Variants: a second instantiation, kRules, runs the rules that only hide whole regions of
 // keys: lengths, window, causal alignment (Rules) and segment ids (SegShared). It visits only
 // the key tiles that some query of the CTA may see and tests elements only on tiles that a
-// warp's 16 rows do not see whole. It also runs the elementwise variants that need no operand
-// but a slope, the soft cap and ALiBi, on every tile; the others (bias, mask, dropout), and
-// the fp32 O that the backward of a bias or ALiBi takes (params.h o_f32), run on the sm80
-// variant kernel (select.h).
+// warp's 16 rows do not see whole. It also runs the variants of the logits on every tile: the
+// soft cap, ALiBi and a bias (each warp copies its rows' bias with the tile's S GEMM).
+// Mask and dropout, and the fp32 O that the backward of a bias or ALiBi takes (params.h
+// o_f32), run on the sm80 variant kernel (select.h).
 //
 // Shared tiles are TMA's 128-byte swizzle: a (rows, H) tile is H / 64 column blocks of
 // (rows, 64) elements, each row 128 bytes with its 16-byte chunk c stored at c ^ (row % 8).
@@ -219,8 +219,13 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kOffTile = kOffBar + kNumBars * 8;  // int [4]
   static constexpr uint32_t kOffSeg = (kOffTile + 16 + 15) / 16 * 16;
   using Seg = SegShared<kBlockN, kStages>;
+  // kRules: each consumer warp's bias tile, its 16 rows of kBlockN keys, rows padded by 16
+  // bytes so that the 8 rows a fragment read touches fall in distinct banks.
+  static constexpr uint32_t kBiasRowBytes = kBlockN * 2 + 16;
+  static constexpr uint32_t kBiasWarpBytes = 16 * kBiasRowBytes;
+  static constexpr uint32_t kOffBias = (kOffSeg + (kRules ? sizeof(Seg) : 0) + 15) / 16 * 16;
   static constexpr int kSmemBytes =
-      kOffSeg + (kRules ? sizeof(Seg) : 0) + 1024;  // + slack to align the base
+      kOffBias + (kRules ? 4 * kWGs * kBiasWarpBytes : 0) + 1024;  // + slack to align the base
 
   static_assert(kHeadDim % kSwzCols == 0, "whole 128-byte swizzle rows");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N and TMA box rows");
@@ -522,6 +527,16 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       float row_sum[2] = {0.f, 0.f};              // this lane's share; quad-summed at the end
       // ALiBi's slope in q.k's units (the softmax multiplies the logits by scale_log2).
       const float alibi_raw = kRules && p.alibi_slopes ? p.alibi_slopes[bn] / p.scale : 0.f;
+      // The bias of (b, n), its rows bias_rs apart and its keys contiguous (select.h
+      // sm90_bias_ok: pairs of keys 4-byte aligned).
+      const uint16_t* bias_bn = nullptr;
+      int64_t bias_rs = 0;
+      if (kRules && p.bias) {
+        const BcastStrides& st = p.bias_strides;
+        bias_bn = static_cast<const uint16_t*>(p.bias) + (b / p.batch_inner) * st.outer +
+                  (b % p.batch_inner) * st.batch + n * st.head;
+        bias_rs = st.row;
+      }
 
       // Segment ids: those of this thread's rows g, g + 8, and the warp's range over its rows
       // t < q_len (rows past q_len see nothing by the rules, whatever their id).
@@ -592,6 +607,23 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(bar_empty_v + 8 * ((kv_base + it) % kStages));
       };
+      // The bias of tile it, this warp's 16 rows (0 past T or S), into the warp's bias tile by
+      // cp.async, a pair of keys a copy, issued with the tile's S GEMM so that its latency
+      // passes while that runs. mask_tile adds it.
+      const uint32_t s_bias = base + Cfg::kOffBias + (4 * cw + warp % 4) * Cfg::kBiasWarpBytes;
+      auto load_bias = [&](int it) {
+        if (!kRules || !bias_bn) return;
+        const int n0 = seg.tile[(kv_base + it) % kStages] * kBlockN, r0 = m0 + wr;
+#pragma unroll 8
+        for (int j = 0; j < kBlockN / 4; ++j) {  // 16 rows of kBlockN / 2 pairs, 32 a round
+          const int idx = 32 * j + lane, r = idx / (kBlockN / 2), pr = idx % (kBlockN / 2);
+          const int key = n0 + 2 * pr;
+          const int bytes = r0 + r < t_len ? 2 * max(0, min(2, s_len - key)) : 0;
+          const uint16_t* src = bytes ? bias_bn + (r0 + r) * bias_rs + key : bias_bn;
+          cp_async_4_part(s_bias + r * Cfg::kBiasRowBytes + 4 * pr, src, bytes);
+        }
+        cp_async_commit();
+      };
       // Keys >= S and under causal keys s > t (or what the rules hide) set to -inf in a
       // completed S, only on tiles that need it (the rules kernel's soft cap and ALiBi first,
       // on every tile).
@@ -603,12 +635,29 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         if constexpr (kRules) {
           const Rules r(p, b);
           const int64_t diag = int64_t{m0 + wr} - n0 + r.shift;
-          // The elementwise variants on every tile, in q.k's units: the soft cap
-          // c tanh(scale s / c) / scale, then ALiBi's -slope |col - row - diag| / scale.
+          // The logits' variants on every tile, in q.k's units: the soft cap
+          // c tanh(scale s / c) / scale, the bias / scale, ALiBi's -slope |col - row - diag| /
+          // scale.
           if (p.softcap > 0.f) {
             const float in = p.scale / p.softcap, out = p.softcap / p.scale;
 #pragma unroll
             for (int i = 0; i < kNS; ++i) acc_s[i] = out * tanhf(acc_s[i] * in);
+          }
+          if (bias_bn) {
+            cp_async_wait<0>();
+            __syncwarp();
+            const float inv_scale = 1.f / p.scale;
+            const unsigned char* sb = smem + (s_bias - base) + g * Cfg::kBiasRowBytes + 4 * tig;
+#pragma unroll
+            for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const float2 v = unpack2<T>(
+                    *reinterpret_cast<const uint32_t*>(sb + 8 * h * Cfg::kBiasRowBytes + 16 * i));
+                acc_s[4 * i + 2 * h] = fmaf(v.x, inv_scale, acc_s[4 * i + 2 * h]);
+                acc_s[4 * i + 2 * h + 1] = fmaf(v.y, inv_scale, acc_s[4 * i + 2 * h + 1]);
+              }
+            __syncwarp();  // read before the next tile's load_bias writes
           }
           if (p.alibi_slopes) {
             const float d0 = static_cast<float>(int64_t{2 * tig - g} - diag);  // at i = c = 0
@@ -849,6 +898,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
           float acc_s[kNS];
           issue_qk(acc_s, 0, true);
           turn_end();
+          load_bias(0);
           wgmma_wait<0>();
           fence_regs(acc_s);
           first_tile(acc_s, kNS);
@@ -860,6 +910,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         issue_qk(acc_s, it, false);
         issue_pv(rP, it - 1);
         turn_end();
+        load_bias(it);
         wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
         fence_regs(acc_s);
         // K stays held through the softmax where it may be read again (recompute_s, the
@@ -1075,8 +1126,8 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 // Launches the sm90 forward on `stream`; false (nothing launched) when the TMA descriptors
 // cannot be built. Preconditions (select.h checks them): a cc 9.x device, p.s > 0, no variant
-// but the rules (Rules, segment ids), the soft cap and ALiBi, and at H = 256 none at all. The
-// rules kernel covers causal too, so each file compiles it once.
+// but the rules (Rules, segment ids), the soft cap, ALiBi and a bias, and at H = 256 none at
+// all. The rules kernel covers causal too, so each file compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim == 256) {

@@ -67,14 +67,21 @@ inline bool tma_strides_ok(const FwdParams& p) {
 
 // Of the variants, the sm90 rules kernels run those that hide whole regions of keys (lengths,
 // window and causal alignment cut each query row's key range, segment ids the key tiles whose
-// ids a query tile does not have) and the elementwise ones that need no operand but a slope a
-// head: the forward the soft cap and ALiBi, the backward the soft cap (ALiBi's would add
-// dalibi's reduction). Bias, mask and dropout need per-element operands (sm80).
+// ids a query tile does not have) and some that change the logits: the forward the soft cap,
+// ALiBi and a bias, the backward the soft cap (ALiBi's and the bias's would add dalibi's and
+// dbias's reductions). Mask and dropout run on sm80, and so does a bias whose pairs of keys
+// are not 4-byte aligned (the forward copies it a pair at a time), e.g. one broadcast over the
+// keys or of odd row stride.
+inline bool sm90_bias_ok(const FwdParams& p) {
+  const BcastStrides& st = p.bias_strides;
+  return !p.bias || (st.col == 1 && st.row % 2 == 0 && st.head % 2 == 0 && st.batch % 2 == 0 &&
+                     st.outer % 2 == 0 && reinterpret_cast<uintptr_t>(p.bias) % 4 == 0);
+}
 inline bool sm90_fwd_variants_ok(const FwdParams& p) {
-  return !p.bias && !p.mask && !p.dropout_seeds;
+  return !p.mask && !p.dropout_seeds && sm90_bias_ok(p);
 }
 inline bool sm90_bwd_variants_ok(const BwdParams& p) {
-  return sm90_fwd_variants_ok(p) && !p.alibi_slopes;
+  return sm90_fwd_variants_ok(p) && !p.bias && !p.alibi_slopes;
 }
 
 inline bool use_fwd_sm90(const FwdParams& p) {
