@@ -224,8 +224,8 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kBiasRowBytes = kBlockN * 2 + 16;
   static constexpr uint32_t kBiasWarpBytes = 16 * kBiasRowBytes;
   static constexpr uint32_t kOffBias = (kOffSeg + (kRules ? sizeof(Seg) : 0) + 15) / 16 * 16;
-  static constexpr int kSmemBytes =
-      kOffBias + (kRules ? 4 * kWGs * kBiasWarpBytes : 0) + 1024;  // + slack to align the base
+  static constexpr int kBiasBytes = kRules ? 4 * kWGs * kBiasWarpBytes : 0;
+  static constexpr int kSmemBytes = kOffBias + kBiasBytes + 1024;  // + slack to align the base
 
   static_assert(kHeadDim % kSwzCols == 0, "whole 128-byte swizzle rows");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N and TMA box rows");
@@ -1097,8 +1097,10 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes) != cudaSuccess)
     return true;
+  // Without a bias the bias tiles (the end of the layout) are left out, and the L1 keeps them.
+  const int smem = Cfg::kSmemBytes - (p.bias ? 0 : Cfg::kBiasBytes);
   if (grid > 0)
-    kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+    kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, smem, stream>>>(
         p, tma_q, tma_k, tma_v, tma_o, static_cast<int>(num_m_blocks), static_cast<int>(n_whole),
         sec_heads, FwdTail{0, 0, 0});
   if constexpr (kPersistent && !kCausal) {
