@@ -95,6 +95,8 @@ def _cases(T, S):
       "softcap_causal": (dict(logits_soft_cap=2.0, is_causal=True), {}),
       "softcap_lengths_window": (dict(logits_soft_cap=4.0, local_window_size=(40, 10), **LENGTHS),
                                  {}),
+      "alibi_lengths_bottom_right": (dict(alibi_slopes=jnp.abs(_rand(5, (B, N))), is_causal=True,
+                                          causal_alignment="bottom_right", **LENGTHS), {}),
       "alibi_batched_bottom_right": (dict(causal_alignment="bottom_right", is_causal=True),
                                      dict(alibi_slopes=jnp.abs(_rand(3, (B, N))))),
       "mask_lengths": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(4), 0.6, (B, 1, T, S)),
@@ -206,6 +208,7 @@ def test_cuda_variant(case, head_dim, dtype):
 @pytest.mark.parametrize("case, s, dtype", [
     ("softcap_alibi", GPU_S, jnp.bfloat16), ("softcap_alibi", GPU_S, jnp.float16),
     ("alibi_batched_bottom_right", GPU_S, jnp.bfloat16),
+    ("alibi_lengths_bottom_right", GPU_S, jnp.bfloat16),
     ("bias_heads_causal", GPU_S + 1, jnp.bfloat16), ("bias_heads_causal", GPU_S + 1, jnp.float16),
     ("bias_keys_causal", GPU_S + 1, jnp.bfloat16), ("bias_shared_causal", GPU_S + 1, jnp.bfloat16),
 ], ids=lambda x: x if isinstance(x, (str, int)) else jnp.dtype(x).name)
