@@ -204,30 +204,51 @@ struct Head {
     }
   }
 
-  bool visible(int64_t t, int64_t s) const {
-    if (t >= q_len || s >= kv_len) return false;
-    const int64_t pos = t + shift;
-    if (p.is_causal && s > pos) return false;
-    if (p.window_left >= 0 && s < pos - p.window_left) return false;
-    if (p.window_right >= 0 && s > pos + p.window_right) return false;
-    if (qseg && qseg[t] != kvseg[s]) return false;
-    if (mask && !mask[t * p.mask_strides.row + s * p.mask_strides.col]) return false;
-    return true;
-  }
-
-  // logit from q.k: scale, soft-cap, + bias, - alibi. *dcap = d logit / d (scale q.k).
-  float logit(float dot, int64_t t, int64_t s, float* dcap) const {
-    float x = dot * p.scale;
-    if (p.softcap > 0.f) {
-      const float th = std::tanh(x / p.softcap);
-      x = p.softcap * th;
-      if (dcap) *dcap = 1.f - th * th;
-    } else if (dcap) {
-      *dcap = 1.f;
+  // Row t's logits over keys n0 .. n0 + cols - 1, in place: q.k in; scale, soft cap, + bias,
+  // - alibi out, -inf where hidden. With dcap, dcap[j] = d logit / d (scale q.k). The lengths
+  // and the band bound the row's keys; each variant then runs as a pass of its own over them
+  // (the plain pass vectorises), and segment ids and the mask are tested per key.
+  void row_logits(float* s, int64_t t, int64_t n0, int64_t cols, float* dcap) const {
+    int64_t lo = 0, hi = 0;
+    if (t < q_len) {
+      const int64_t pos = t + shift;
+      hi = kv_len;
+      if (p.is_causal) hi = std::min(hi, pos + 1);
+      if (p.window_right >= 0) hi = std::min(hi, pos + p.window_right + 1);
+      if (p.window_left >= 0) lo = pos - p.window_left;
     }
-    if (bias) x += to_float(bias[t * p.bias_strides.row + s * p.bias_strides.col]);
-    if (p.alibi_slopes) x -= slope * float(std::abs(s - (t + shift)));
-    return x;
+    const int64_t j0 = std::clamp<int64_t>(lo - n0, 0, cols);
+    const int64_t j1 = std::clamp<int64_t>(hi - n0, j0, cols);
+    std::fill(s, s + j0, kNegInf);
+    std::fill(s + j1, s + cols, kNegInf);
+    const float scale = p.scale;
+    for (int64_t j = j0; j < j1; ++j) s[j] *= scale;
+    if (p.softcap > 0.f) {
+      const float cap = p.softcap;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float th = std::tanh(s[j] / cap);
+        s[j] = cap * th;
+        if (dcap) dcap[j] = 1.f - th * th;
+      }
+    } else if (dcap) {
+      std::fill(dcap + j0, dcap + j1, 1.f);
+    }
+    if (bias) {
+      const T* row = bias + t * p.bias_strides.row;
+      const int64_t cs = p.bias_strides.col;
+      for (int64_t j = j0; j < j1; ++j) s[j] += to_float(row[(n0 + j) * cs]);
+    }
+    if (p.alibi_slopes)
+      for (int64_t j = j0; j < j1; ++j) s[j] -= slope * float(std::abs(n0 + j - (t + shift)));
+    if (qseg)
+      for (int64_t j = j0; j < j1; ++j)
+        if (qseg[t] != kvseg[n0 + j]) s[j] = kNegInf;
+    if (mask) {
+      const uint8_t* row = mask + t * p.mask_strides.row;
+      const int64_t cs = p.mask_strides.col;
+      for (int64_t j = j0; j < j1; ++j)
+        if (!row[(n0 + j) * cs]) s[j] = kNegInf;
+    }
   }
 
   uint32_t drop_row(int64_t t) const { return mix32(uint32_t(t) ^ drop_head); }
@@ -309,16 +330,14 @@ void fwd_typed(const FwdParams& p) {
         const int64_t t = m0 + i;
         // S = logits of row i, masked entries at -inf
         float* s_i = &sS[i * kBlockN];
+        hd.row_logits(s_i, t, n0, cols, nullptr);
         float row_max = m[i];
+        bool nan = false;
         for (int64_t j = 0; j < cols; ++j) {
-          if (!hd.visible(t, n0 + j)) {
-            s_i[j] = kNegInf;
-            continue;
-          }
-          s_i[j] = hd.logit(s_i[j], t, n0 + j, nullptr);
           row_max = std::max(row_max, s_i[j]);
-          if (std::isnan(s_i[j])) row_max = s_i[j];
+          nan |= std::isnan(s_i[j]);
         }
+        if (nan) row_max = std::numeric_limits<float>::quiet_NaN();
         if (row_max == kNegInf) {  // nothing visible yet in this row
           std::fill(s_i, s_i + cols, 0.f);
           continue;
@@ -358,24 +377,26 @@ void grad_tile(const Head<T>& hd, const float* lse, const float* delta, int64_t 
                const float* sdO, int64_t H, int64_t Hv, float* Pd, float* dS, float* dR) {
   tile_dots(sQ, rows, H, sKT, Pd);    // q.k, turned into Pd below
   tile_dots(sdO, rows, Hv, sVT, dR);  // dP before dropout, turned into dR below
+  float dcap[kBlockN];
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = m0 + i;
     const float li = lse[t];
     const uint32_t row_hash = hd.drop_row(t);
+    float* s_i = Pd + i * kBlockN;
+    hd.row_logits(s_i, t, n0, cols, dcap);
     for (int64_t j = 0; j < cols; ++j) {
       const int64_t e = i * kBlockN + j;
-      if (li == kNegInf || !hd.visible(t, n0 + j)) {
+      if (li == kNegInf || s_i[j] == kNegInf) {  // hidden, or a row that sees nothing
         Pd[e] = dS[e] = dR[e] = 0.f;
         continue;
       }
       // P = exp(logit - lse): the forward's probabilities, recomputed
-      float dcap = 1.f;
-      const float pij = std::exp(hd.logit(Pd[e], t, n0 + j, &dcap) - li);
+      const float pij = std::exp(s_i[j] - li);
       // dP = (dO V^T) * keep ; dS = P * (dP - delta)
       const float keep = hd.keep(row_hash, n0 + j), dp = dR[e];
       Pd[e] = pij * keep;
       dS[e] = pij * (dp * keep - delta[t]);
-      dR[e] = dS[e] * dcap * hd.p.scale;
+      dR[e] = dS[e] * dcap[j] * hd.p.scale;
     }
   }
 }
