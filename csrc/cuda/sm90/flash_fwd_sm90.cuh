@@ -625,8 +625,8 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         cp_async_commit();
       };
       // Keys >= S and under causal keys s > t (or what the rules hide) set to -inf in a
-      // completed S, only on tiles that need it (the rules kernel's soft cap and ALiBi first,
-      // on every tile).
+      // completed S, only on tiles that need it (the rules kernel's soft cap, bias and ALiBi
+      // first, on every tile).
       // ns: the floats of acc_s that hold S (kNS, or kNS / 2 on a half tile); the lambdas
       // take a pointer because the half tile's array is a type of its own.
       auto mask_tile = [&](float* acc_s, int it, int ns) {
