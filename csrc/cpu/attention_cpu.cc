@@ -206,17 +206,12 @@ struct Head {
 
   // Row t's logits over keys n0 .. n0 + cols - 1, in place: q.k in; scale, soft cap, + bias,
   // - alibi out, -inf where hidden. With dcap, dcap[j] = d logit / d (scale q.k). The lengths
-  // and the band bound the row's keys; each variant then runs as a pass of its own over them
-  // (the plain pass vectorises), and segment ids and the mask are tested per key.
+  // and the band bound the row's keys (key_range of the one row); each variant then runs as a
+  // pass of its own over them (the plain pass vectorises), and segment ids and the mask are
+  // tested per key.
   void row_logits(float* s, int64_t t, int64_t n0, int64_t cols, float* dcap) const {
     int64_t lo = 0, hi = 0;
-    if (t < q_len) {
-      const int64_t pos = t + shift;
-      hi = kv_len;
-      if (p.is_causal) hi = std::min(hi, pos + 1);
-      if (p.window_right >= 0) hi = std::min(hi, pos + p.window_right + 1);
-      if (p.window_left >= 0) lo = pos - p.window_left;
-    }
+    key_range(t, 1, lo, hi);
     const int64_t j0 = std::clamp<int64_t>(lo - n0, 0, cols);
     const int64_t j1 = std::clamp<int64_t>(hi - n0, j0, cols);
     std::fill(s, s + j0, kNegInf);
