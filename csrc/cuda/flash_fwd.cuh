@@ -362,8 +362,10 @@ struct FwdVariants {
     }
     if (bias_p) {
       const int64_t rs = p.bias_strides.row, cs = p.bias_strides.col;
-      // Keys contiguous and rows 4-byte aligned: an element pair's two keys in one load.
-      if (inside && cs == 1 && rs % 2 == 0 && (reinterpret_cast<uintptr_t>(bias_p) & 3) == 0) {
+      // Keys contiguous and rows 4-byte aligned from the tile's first key (with a window the
+      // tiles start at key_lo, which may be odd): an element pair's two keys in one load.
+      if (inside && cs == 1 && rs % 2 == 0 &&
+          (reinterpret_cast<uintptr_t>(bias_p + n0) & 3) == 0) {
         for_each([&](int mi, int nt, int c, int row, int col) {
           if (c % 2) return;
           const T* at = bias_p + row * rs + n0 + col;
@@ -689,8 +691,10 @@ __global__ void __launch_bounds__(FwdCfg<T, kHeadDim, kHeadDimV, kVariants>::kTh
   // lse = -inf. O is staged through this warp's own rows of sQ (their first Hv columns, in
   // sQ's layout, so no other warp's Q is touched) for 16-byte global stores. The variant
   // kernel also stores O in fp32 from the accumulators when p.o_f32 is set (for the backward).
-  cp_async_wait<0>();  // with no key tile, the Q copy may still be landing in sQ
-  __syncwarp();
+  // Every thread's Q copies have landed before a warp stages O in its rows of sQ (with no key
+  // tile, other threads' copies into them may still be in flight).
+  cp_async_wait<0>();
+  __syncthreads();
   const int64_t o_offset = b * p.o_batch_stride + n * p.o_head_stride;
   T* gO = static_cast<T*>(p.o) + o_offset;
   float* gLse = p.lse + bn * p.t;
