@@ -40,11 +40,12 @@ p.add_argument("--sections", type=int, nargs="?", const=2500, default=None,
                     "tickets, 6 (b, kv head) pairs; up to 2048: within them, 10 pairs) whose pairs "
                     "fill two sections of the backward's grid, the last narrower (sanitizers)")
 p.add_argument("--variants", action="store_true",
-               help="the segments problem's shape through the variant kernels, five calls: a "
-                    "(B, N, T, S) bias with bottom-right causal and ragged lengths, a bias over "
-                    "the keys, soft cap with ALiBi and a window (its forward alone on the sm90 "
-                    "rules kernel on Hopper), a mask with dropout (the sm80-class kernels), soft "
-                    "cap with a window (the sm90 rules kernels, forward and backward) (sanitizers)")
+               help="the segments problem's shape (S = 704: whole 16-byte bias rows) through "
+                    "the variant kernels, five calls: a (B, N, T, S) bias with bottom-right "
+                    "causal and ragged lengths, a bias over the keys, soft cap with ALiBi and a "
+                    "window (these three forwards alone on the sm90 rules kernel on Hopper), a "
+                    "mask with dropout (the sm80-class kernels), soft cap with a window (the sm90 "
+                    "rules kernels, forward and backward) (sanitizers)")
 p.add_argument("--kv", type=int, default=300,
                help="keys of the --many-tiles problem")
 p.add_argument("--jump", action="store_true",
@@ -55,7 +56,8 @@ p.add_argument("--deterministic", action="store_true", help="deterministic_backw
 p.add_argument("--reps", type=int, default=2)
 a = p.parse_args()
 B, T, S, N, K, D = ((1, 77, 45, 4, 2, a.D) if a.small
-                    else (2, 300, 700, 4, 2, a.D) if a.segments or a.rules or a.variants
+                    else (2, 300, 700, 4, 2, a.D) if a.segments or a.rules
+                    else (2, 300, 704, 4, 2, a.D) if a.variants
                     else (2, 1400, a.kv, 9, 3, a.D) if a.many_tiles
                     else (3 if a.sections > 2048 else 5, a.sections, a.sections, 4, 2, a.D)
                     if a.sections

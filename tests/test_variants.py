@@ -119,6 +119,9 @@ def _cases(T, S):
       "bias_full_mask": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, (B, N, T, S))),
                          dict(bias=_rand(8, (B, N, T, S)))),
       "bias_keys_lengths_f32": (dict(**LENGTHS), dict(bias=_rand(9, (B, 1, 1, S)))),
+      "bias_segments_lengths": (dict(query_segment_ids=_ids(33, T, 4),
+                                     key_value_segment_ids=_ids(34, S, 4), **LENGTHS),
+                                dict(bias=_rand(35, (B, N, T, S)))),
       "dropout_window": (dict(dropout_rate=0.25, dropout_rng=jax.random.key(10),
                               local_window_size=(30, 5)), {}),
       "everything": (dict(is_causal=True, causal_alignment="bottom_right",
@@ -200,20 +203,25 @@ def test_cuda_variant(case, head_dim, dtype):
 
 
 # ALiBi and a bias in a forward with no backward: on Hopper the sm90 forward runs them (a bias
-# whose key pairs are 4-byte aligned: S even), which it does not where the backward needs the
-# sm80 forward's fp32 O (test_o_f32_residual).
+# whose rows are 16-byte aligned: S a multiple of 8; not a tile's), which it does not where the
+# backward needs the sm80 forward's fp32 O (test_o_f32_residual). 1000 x 1304: the bias stages
+# cycle over 11 key tiles, and with segment ids over those a query tile visits.
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("case, s, dtype", [
-    ("softcap_alibi", GPU_S, jnp.bfloat16), ("softcap_alibi", GPU_S, jnp.float16),
-    ("alibi_batched_bottom_right", GPU_S, jnp.bfloat16),
-    ("alibi_lengths_bottom_right", GPU_S, jnp.bfloat16),
-    ("bias_heads_causal", GPU_S + 1, jnp.bfloat16), ("bias_heads_causal", GPU_S + 1, jnp.float16),
-    ("bias_keys_causal", GPU_S + 1, jnp.bfloat16), ("bias_shared_causal", GPU_S + 1, jnp.bfloat16),
+@pytest.mark.parametrize("case, t, s, dtype", [
+    ("softcap_alibi", GPU_T, GPU_S, jnp.bfloat16), ("softcap_alibi", GPU_T, GPU_S, jnp.float16),
+    ("alibi_batched_bottom_right", GPU_T, GPU_S, jnp.bfloat16),
+    ("alibi_lengths_bottom_right", GPU_T, GPU_S, jnp.bfloat16),
+    ("bias_heads_causal", GPU_T, GPU_S + 3, jnp.bfloat16),
+    ("bias_heads_causal", GPU_T, GPU_S + 3, jnp.float16),
+    ("bias_keys_causal", GPU_T, GPU_S + 3, jnp.bfloat16),
+    ("bias_shared_causal", GPU_T, GPU_S + 3, jnp.bfloat16),
+    ("bias_segments_lengths", GPU_T, GPU_S + 3, jnp.bfloat16),
+    ("bias_segments_lengths", 1000, 1304, jnp.bfloat16),
 ], ids=lambda x: x if isinstance(x, (str, int)) else jnp.dtype(x).name)
-def test_cuda_variant_forward(case, s, dtype, head_dim):
-  _check_case("cuda", case, GPU_T, s, head_dim, head_dim, with_grads=False, dtype=dtype)
+def test_cuda_variant_forward(case, t, s, dtype, head_dim):
+  _check_case("cuda", case, t, s, head_dim, head_dim, with_grads=False, dtype=dtype)
 
 
 # Segment ids where documents span several 128-key tiles (GPU_T, GPU_S hold 2-3 key tiles):

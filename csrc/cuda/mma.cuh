@@ -148,12 +148,6 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pr
                "l"(gmem), "r"(pred ? 4 : 0));
 }
 
-// 4-byte global->shared copy of its first `bytes` bytes (0, 2 or 4), zero-filling the rest.
-__device__ __forceinline__ void cp_async_4_part(uint32_t smem, const void* gmem, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem),
-               "r"(bytes));
-}
-
 // A tile-relative diagonal offset as an int: col - row spans less than a tile, so a bound
 // beyond +-2^20 acts as infinity.
 __device__ __forceinline__ int clamp_diag(int64_t d) {

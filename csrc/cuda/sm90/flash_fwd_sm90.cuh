@@ -33,7 +33,8 @@
 // keys: lengths, window, causal alignment (Rules) and segment ids (SegShared). It visits only
 // the key tiles that some query of the CTA may see and tests elements only on tiles that a
 // warp's 16 rows do not see whole. It also runs the variants of the logits on every tile: the
-// soft cap, ALiBi and a bias (each warp copies its rows' bias with the tile's S GEMM).
+// soft cap, ALiBi and a bias (producer warp 1 copies each tile's bias rows into a stage of
+// each consumer warpgroup by bulk copies).
 // Mask and dropout, and the fp32 O that the backward of a bias or ALiBi takes (params.h
 // o_f32), run on the sm80 variant kernel (select.h).
 //
@@ -205,8 +206,9 @@ struct FwdCfgSm90 {
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);  // one K or V stage
   // Byte offsets from the 1024-aligned base: sQ, sK[kStages], sV[kStages], (kStageO) sO,
   // then mbarriers q[kColBlocks], full_k[kStages], full_v[kStages], empty_k[kStages],
-  // empty_v[kStages], q_empty, (kDynamic) tile[2], then the tiles' ids (kDynamic) or the
-  // warpgroups' flags (kPieces), then (kRules) the SegShared.
+  // empty_v[kStages], q_empty, (kDynamic) tile[2], (kRules) full_bias[kWGs], empty_bias[kWGs],
+  // then the tiles' ids (kDynamic) or the warpgroups' flags (kPieces), then (kRules) the
+  // SegShared and the bias stages.
   static constexpr uint32_t kOffQ = 0;
   static constexpr uint32_t kOffK = kOffQ + kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
@@ -215,16 +217,18 @@ struct FwdCfgSm90 {
   // in an sO of its own when persistent (sQ may hold the next tile's Q by then).
   static constexpr bool kStageO = kPersistent;
   static constexpr uint32_t kOffBar = kOffO + (kStageO ? kQBytes : 0);
-  static constexpr int kNumBars = kColBlocks + 1 + 4 * kStages + (kDynamic ? 2 : 0);
+  static constexpr int kNumBars =
+      kColBlocks + 1 + 4 * kStages + (kDynamic ? 2 : 0) + (kRules ? 2 * kWGs : 0);
   static constexpr uint32_t kOffTile = kOffBar + kNumBars * 8;  // int [4]
   static constexpr uint32_t kOffSeg = (kOffTile + 16 + 15) / 16 * 16;
   using Seg = SegShared<kBlockN, kStages>;
-  // kRules: each consumer warp's bias tile, its 16 rows of kBlockN keys, rows padded by 16
-  // bytes so that the 8 rows a fragment read touches fall in distinct banks.
+  // kRules: each consumer warpgroup's bias stage, its 64 rows of kBlockN keys, rows padded by
+  // 16 bytes so that the 8 rows a fragment read touches fall in distinct banks (and each row
+  // starts 16-byte aligned, as bulk copies need).
   static constexpr uint32_t kBiasRowBytes = kBlockN * 2 + 16;
-  static constexpr uint32_t kBiasWarpBytes = 16 * kBiasRowBytes;
+  static constexpr uint32_t kBiasWGBytes = 64 * kBiasRowBytes;
   static constexpr uint32_t kOffBias = (kOffSeg + (kRules ? sizeof(Seg) : 0) + 15) / 16 * 16;
-  static constexpr int kBiasBytes = kRules ? 4 * kWGs * kBiasWarpBytes : 0;
+  static constexpr int kBiasBytes = kRules ? kWGs * kBiasWGBytes : 0;
   static constexpr int kSmemBytes = kOffBias + kBiasBytes + 1024;  // + slack to align the base
 
   static_assert(kHeadDim % kSwzCols == 0, "whole 128-byte swizzle rows");
@@ -273,6 +277,11 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
   // whether warpgroup cw's piece was its tile's last
   const uint32_t bar_tile = bar_q_empty + 8;
   int* tile_id = reinterpret_cast<int*>(smem + Cfg::kOffTile);
+  // kRules with a bias: full_bias[cw] (+ 8 cw), warpgroup cw's stage of the step's bias landed;
+  // empty_bias[cw], its threads read it
+  const uint32_t bar_bias_full = bar_tile + (kDynamic ? 16 : 0);
+  const uint32_t bar_bias_empty = bar_bias_full + 8 * kWGs;
+  const uint32_t sBias = base + Cfg::kOffBias;  // (kWGs, 64, kBiasRowBytes)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
@@ -339,6 +348,17 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
   const bool segs = kRules && p.q_segment_ids != nullptr;
   const int32_t* gQSeg = segs ? p.q_segment_ids + b * p.t : nullptr;    // (T) ids of batch b
   const int32_t* gKvSeg = segs ? p.kv_segment_ids + b * p.s : nullptr;  // (S)
+  // The rules kernel's bias of (b, n) (one tile a CTA), its rows bias_rs apart (0: broadcast
+  // over the rows) and its keys contiguous (select.h sm90_bias_ok: rows of keys 16-byte
+  // aligned, as bulk copies need).
+  const uint16_t* bias_bn = nullptr;
+  int64_t bias_rs = 0;
+  if (kRules && p.bias) {
+    const BcastStrides& st = p.bias_strides;
+    bias_bn = static_cast<const uint16_t*>(p.bias) + (b / p.batch_inner) * st.outer +
+              (b % p.batch_inner) * st.batch + n * st.head;
+    bias_rs = st.row;
+  }
 
   if (segs) {
     const int words = (min(n_cand, Seg::kLiveTiles) + 31) / 32;
@@ -362,6 +382,12 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
     if constexpr (kDynamic) {
       mbar_init(bar_tile, 1);
       mbar_init(bar_tile + 8, 1);
+    }
+    if constexpr (kRules) {
+      for (int w = 0; w < kWGs; ++w) {
+        mbar_init(bar_bias_full + 8 * w, 1);
+        mbar_init(bar_bias_empty + 8 * w, 128);  // every thread of the warpgroup, a reader
+      }
     }
     mbar_fence_init();
     tma_prefetch_desc(&tma_q);
@@ -487,6 +513,28 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
           mbar_arrive(bar_tile + 8 * ((k + 1) % 2));
         }
       }
+    } else if (kRules && warp == 1 && bias_bn) {
+      // Producer warp 1: the bias of each visited key tile, in the K ring's order, warpgroup
+      // w's 64 rows (one when broadcast over the rows; none past T) into its stage, a bulk copy
+      // a row, once the warpgroup has read the tile before: the copies have the step between
+      // a tile's softmax and the next one's to land.
+      int r = segs ? n_cand : n_blocks;
+      for (int it = 0; it < n_blocks; ++it) {
+        r = segs ? seg.prev_live(r - 1) : r - 1;
+        const int n0 = (j_lo + r) * kBlockN;
+        const uint32_t bytes = 2 * min(kBlockN, s_len - n0);  // S % 8 == 0: whole 16 bytes
+#pragma unroll 1
+        for (int w = 0; w < kWGs; ++w) {
+          const int r0 = m0 + 64 * w;
+          const int rows = bias_rs == 0 ? 1 : max(0, min(64, t_len - r0));
+          if (it > 0) mbar_wait(bar_bias_empty + 8 * w, (it - 1) & 1);
+          fence_proxy_async();  // the warpgroup's reads before the copies' writes
+          if (lane == 0) mbar_arrive_expect_tx(bar_bias_full + 8 * w, rows * bytes);
+          for (int i = lane; i < rows; i += 32)
+            bulk_load(sBias + w * Cfg::kBiasWGBytes + i * Cfg::kBiasRowBytes,
+                      bias_bn + (r0 + i) * bias_rs + n0, bytes, bar_bias_full + 8 * w);
+        }
+      }
     }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
@@ -527,16 +575,6 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
       float row_sum[2] = {0.f, 0.f};              // this lane's share; quad-summed at the end
       // ALiBi's slope in q.k's units (the softmax multiplies the logits by scale_log2).
       const float alibi_raw = kRules && p.alibi_slopes ? p.alibi_slopes[bn] / p.scale : 0.f;
-      // The bias of (b, n), its rows bias_rs apart and its keys contiguous (select.h
-      // sm90_bias_ok: pairs of keys 4-byte aligned).
-      const uint16_t* bias_bn = nullptr;
-      int64_t bias_rs = 0;
-      if (kRules && p.bias) {
-        const BcastStrides& st = p.bias_strides;
-        bias_bn = static_cast<const uint16_t*>(p.bias) + (b / p.batch_inner) * st.outer +
-                  (b % p.batch_inner) * st.batch + n * st.head;
-        bias_rs = st.row;
-      }
 
       // Segment ids: those of this thread's rows g, g + 8, and the warp's range over its rows
       // t < q_len (rows past q_len see nothing by the rules, whatever their id).
@@ -607,23 +645,6 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(bar_empty_v + 8 * ((kv_base + it) % kStages));
       };
-      // The bias of tile it, this warp's 16 rows (0 past T or S), into the warp's bias tile by
-      // cp.async, a pair of keys a copy, issued with the tile's S GEMM so that its latency
-      // passes while that runs. mask_tile adds it.
-      const uint32_t s_bias = base + Cfg::kOffBias + (4 * cw + warp % 4) * Cfg::kBiasWarpBytes;
-      auto load_bias = [&](int it) {
-        if (!kRules || !bias_bn) return;
-        const int n0 = seg.tile[(kv_base + it) % kStages] * kBlockN, r0 = m0 + wr;
-#pragma unroll 8
-        for (int j = 0; j < kBlockN / 4; ++j) {  // 16 rows of kBlockN / 2 pairs, 32 a round
-          const int idx = 32 * j + lane, r = idx / (kBlockN / 2), pr = idx % (kBlockN / 2);
-          const int key = n0 + 2 * pr;
-          const int bytes = r0 + r < t_len ? 2 * max(0, min(2, s_len - key)) : 0;
-          const uint16_t* src = bytes ? bias_bn + (r0 + r) * bias_rs + key : bias_bn;
-          cp_async_4_part(s_bias + r * Cfg::kBiasRowBytes + 4 * pr, src, bytes);
-        }
-        cp_async_commit();
-      };
       // Keys >= S and under causal keys s > t (or what the rules hide) set to -inf in a
       // completed S, only on tiles that need it (the rules kernel's soft cap, bias and ALiBi
       // first, on every tile).
@@ -644,20 +665,23 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
             for (int i = 0; i < kNS; ++i) acc_s[i] = out * tanhf(acc_s[i] * in);
           }
           if (bias_bn) {
-            cp_async_wait<0>();
-            __syncwarp();
+            // Step it's bias in this warpgroup's stage (rows past T or keys past S: stale,
+            // hidden below by the lengths).
+            mbar_wait(bar_bias_full + 8 * cw, it & 1);
             const float inv_scale = 1.f / p.scale;
-            const unsigned char* sb = smem + (s_bias - base) + g * Cfg::kBiasRowBytes + 4 * tig;
+            const int rs = bias_rs == 0 ? 0 : Cfg::kBiasRowBytes;
+            const unsigned char* sb =
+                smem + Cfg::kOffBias + cw * Cfg::kBiasWGBytes + (wr % 64 + g) * rs + 4 * tig;
 #pragma unroll
             for (int i = 0; i < kNS / 4; ++i)
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
-                const float2 v = unpack2<T>(
-                    *reinterpret_cast<const uint32_t*>(sb + 8 * h * Cfg::kBiasRowBytes + 16 * i));
+                const float2 v =
+                    unpack2<T>(*reinterpret_cast<const uint32_t*>(sb + 8 * h * rs + 16 * i));
                 acc_s[4 * i + 2 * h] = fmaf(v.x, inv_scale, acc_s[4 * i + 2 * h]);
                 acc_s[4 * i + 2 * h + 1] = fmaf(v.y, inv_scale, acc_s[4 * i + 2 * h + 1]);
               }
-            __syncwarp();  // read before the next tile's load_bias writes
+            mbar_arrive(bar_bias_empty + 8 * cw);
           }
           if (p.alibi_slopes) {
             const float d0 = static_cast<float>(int64_t{2 * tig - g} - diag);  // at i = c = 0
@@ -898,7 +922,6 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
           float acc_s[kNS];
           issue_qk(acc_s, 0, true);
           turn_end();
-          load_bias(0);
           wgmma_wait<0>();
           fence_regs(acc_s);
           first_tile(acc_s, kNS);
@@ -910,7 +933,6 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
         issue_qk(acc_s, it, false);
         issue_pv(rP, it - 1);
         turn_end();
-        load_bias(it);
         wgmma_wait<1>();  // groups complete in order: S is done, P V may not be
         fence_regs(acc_s);
         // K stays held through the softmax where it may be read again (recompute_s, the

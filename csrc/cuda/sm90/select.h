@@ -69,13 +69,14 @@ inline bool tma_strides_ok(const FwdParams& p) {
 // window and causal alignment cut each query row's key range, segment ids the key tiles whose
 // ids a query tile does not have) and some that change the logits: the forward the soft cap,
 // ALiBi and a bias, the backward the soft cap (ALiBi's and the bias's would add dalibi's and
-// dbias's reductions). Mask and dropout run on sm80, and so does a bias whose pairs of keys
-// are not 4-byte aligned (the forward copies it a pair at a time), e.g. one broadcast over the
-// keys or of odd row stride.
+// dbias's reductions). Mask and dropout run on sm80, and so does a bias whose rows of keys
+// are not 16-byte aligned (the forward copies them by bulk copies, which need that): one
+// broadcast over the keys, or with S or a stride not a multiple of 8.
 inline bool sm90_bias_ok(const FwdParams& p) {
   const BcastStrides& st = p.bias_strides;
-  return !p.bias || (st.col == 1 && st.row % 2 == 0 && st.head % 2 == 0 && st.batch % 2 == 0 &&
-                     st.outer % 2 == 0 && reinterpret_cast<uintptr_t>(p.bias) % 4 == 0);
+  return !p.bias || (st.col == 1 && p.s % 8 == 0 && st.row % 8 == 0 && st.head % 8 == 0 &&
+                     st.batch % 8 == 0 && st.outer % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(p.bias) % 16 == 0);
 }
 inline bool sm90_fwd_variants_ok(const FwdParams& p) {
   return !p.mask && !p.dropout_seeds && sm90_bias_ok(p);
