@@ -116,6 +116,11 @@ def _cases(T, S):
       "bias_batch_causal": (dict(is_causal=True), dict(bias=_rand(19, (B, 1, T, S)))),
       "bias_shared_causal": (dict(is_causal=True), dict(bias=_rand(25, (1, 1, T, S)))),
       "bias_keys_causal": (dict(is_causal=True), dict(bias=_rand(26, (B, N, 1, S)))),
+      # a full bias: on Hopper (S % 8 == 0) the sm90 backward writes dbias = dS; every element
+      # with no rules, the visited ones over zeros with them
+      "bias_full": ({}, dict(bias=_rand(36, (B, N, T, S)))),
+      "bias_full_causal_window": (dict(is_causal=True, local_window_size=(S // 4, 0)),
+                                  dict(bias=_rand(37, (B, N, T, S)))),
       "bias_full_mask": (dict(mask=jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, (B, N, T, S))),
                          dict(bias=_rand(8, (B, N, T, S)))),
       "bias_keys_lengths_f32": (dict(**LENGTHS), dict(bias=_rand(9, (B, 1, 1, S)))),
@@ -204,7 +209,7 @@ def test_cuda_variant(case, head_dim, dtype):
 
 # ALiBi and a bias in a forward with no backward: on Hopper the sm90 forward runs them (a bias
 # whose rows are 16-byte aligned: S a multiple of 8; not a tile's), which it does not where the
-# backward needs the sm80 forward's fp32 O (test_o_f32_residual). 1000 x 1304: the bias stages
+# backward needs the sm80 forward's fp32 O (ALiBi, a broadcast bias: test_o_f32_residual). 1000 x 1304: the bias stages
 # cycle over 11 key tiles, and with segment ids over those a query tile visits.
 @pytest.mark.gpu
 @gpu
@@ -222,6 +227,24 @@ def test_cuda_variant(case, head_dim, dtype):
 ], ids=lambda x: x if isinstance(x, (str, int)) else jnp.dtype(x).name)
 def test_cuda_variant_forward(case, t, s, dtype, head_dim):
   _check_case("cuda", case, t, s, head_dim, head_dim, with_grads=False, dtype=dtype)
+
+
+# A bias with no broadcast dim, differentiated, its rows 16-byte aligned (S % 8 == 0): on Hopper
+# the sm90 forward (no fp32 O kept for it) and the sm90 backward run it, dbias = dS written from
+# the backward's registers. 1000 x 1304: 11 key tiles; the window and segment ids skip steps.
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case, t, s, dtype", [
+    ("bias_full", GPU_T, GPU_S + 3, jnp.bfloat16), ("bias_full", GPU_T, GPU_S + 3, jnp.float16),
+    ("bias_full_causal_window", GPU_T, GPU_S + 3, jnp.bfloat16),
+    ("bias_segments_lengths", GPU_T, GPU_S + 3, jnp.bfloat16),
+    ("bias_full", 1000, 1304, jnp.bfloat16),
+    ("bias_full_causal_window", 1000, 1304, jnp.bfloat16),
+    ("bias_segments_lengths", 1000, 1304, jnp.bfloat16),
+], ids=lambda x: x if isinstance(x, (str, int)) else jnp.dtype(x).name)
+def test_cuda_bias_backward(case, t, s, dtype, head_dim):
+  _check_case("cuda", case, t, s, head_dim, head_dim, dtype=dtype)
 
 
 # Segment ids where documents span several 128-key tiles (GPU_T, GPU_S hold 2-3 key tiles):
@@ -527,6 +550,7 @@ def test_invalid_arguments(impl, kwargs, match):
 @pytest.mark.parametrize("kwargs, attr", [
     (dict(bias=jnp.ones((1, 1, T, S))), "('has_bias', True)"),
     (dict(bias=jnp.ones((1, N, T, 1))), "('has_o_f32', True)"),
+    (dict(bias=jnp.ones((B, N, T, S))), "('has_o_f32', False)"),
     (dict(alibi_slopes=jnp.ones((N,))), "('has_o_f32', True)"),
     (dict(local_window_size=3), "('window_left', np.int64(3))"),
     (dict(causal_alignment="bottom_right"), "('bottom_right', True)"),

@@ -31,7 +31,10 @@
 // Variants: a second instantiation, kRules, runs the key-range rules (lengths, window, causal
 // alignment; rules.cuh) and segment ids (BwdSegShared): a CTA visits only the query tiles that
 // may see its keys, and warps test elements only where their 16 keys are not seen whole by
-// the step's queries. It runs the soft cap too, an elementwise pass on every step.
+// the step's queries. It runs the soft cap too, an elementwise pass on every step, or at
+// H = 128 a bias with no broadcast dim: warp 3 (the bias warp) copies each step's bias rows
+// into a stage that the consumers read transposed into S^T's fragment (ldmatrix), and
+// dbias = dS leaves from their registers, transposed back (movmatrix).
 // deterministic_backward (every kernel): the CTAs that visit a query tile add their dQ to it
 // one after the other, in a fixed order (the dQ writer).
 // Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is
@@ -144,7 +147,8 @@ struct BwdCfgSm90 {
   // sdS[kDSBufs], sP[kDSBufs] (kSplitCols), lse[kStages], delta[kStages] (kBlockM floats each),
   // sdQ, then the mbarriers kv, full[kStages], empty[kStages], dq_full, dq_empty, do_full,
   // do_empty, ds[2], slot_full[3], slot_empty[3] (kSplitCols: dO and sdQ's slots have barriers
-  // of their own).
+  // of their own), bias_full, bias_empty (the bias stage's), the steps' info, the segment-id
+  // tables and, at H = 128 with a bias, its stage.
   static constexpr uint32_t kOffK = 0;
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;
@@ -155,11 +159,19 @@ struct BwdCfgSm90 {
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr uint32_t kOffDQ = (kOffDelta + kStages * kBlockM * 4 + 1023) & ~1023u;
   static constexpr uint32_t kOffBar = kOffDQ + kDQBytes;
-  static constexpr uint32_t kOffInfo = kOffBar + (13 + 2 * kStages) * 8;  // int [kStages]
+  static constexpr uint32_t kOffInfo = kOffBar + (15 + 2 * kStages) * 8;  // int [2][kStages]
   static constexpr uint32_t kOffSeg = kOffInfo + kStages * 8;  // 8-aligned: Seg holds int2
   using Seg = BwdSegShared<kBlockM, kStages>;
   // (H = 256 has no rules kernel, so no segment-id tables.)
-  static constexpr int kSmemBytes = kOffSeg + (kSplitCols ? 0 : sizeof(Seg)) + 1024;
+  static constexpr uint32_t kOffBias = (kOffSeg + (kSplitCols ? 0 : sizeof(Seg)) + 15) & ~15u;
+  // The rules kernel's bias stage at H = 128 (kBiasStage): the step's kBlockM rows of the key
+  // tile's bias, each padded by 16 bytes so that an ldmatrix's 8 rows fall in distinct banks.
+  // H = 64 (128 query rows, 34 KB) does not fit and runs a bias on sm80 (select.h).
+  static constexpr bool kBiasStage = kHeadDim == 128;
+  static constexpr uint32_t kBiasRowBytes = kBlockN * sizeof(T) + 16;
+  static constexpr uint32_t kBiasBytes = kBiasStage ? kBlockM * kBiasRowBytes : 0;
+  // Without a bias the launch leaves the stage out (kSmemBytes - kBiasBytes).
+  static constexpr int kSmemBytes = kOffBias + kBiasBytes + 1024;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "sm90 backward head dims");
   static_assert(kSmemBytes <= 227 * 1024, "sm90 shared memory per block");
@@ -332,7 +344,7 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sdQ = base + Cfg::kOffDQ;  // (H / 32 / kDQRounds, kBlockM, 32) fp32
   float* sLse = reinterpret_cast<float*>(smem + Cfg::kOffLse);      // (kStages, kBlockM)
   float* sDelta = reinterpret_cast<float*>(smem + Cfg::kOffDelta);  // (kStages, kBlockM)
-  int* sM0 = reinterpret_cast<int*>(smem + Cfg::kOffInfo);  // (kStages): the step's m0
+  int* sM0 = reinterpret_cast<int*>(smem + Cfg::kOffInfo);  // (2, kStages): the steps' m0, head
   const uint32_t bar_kv = base + Cfg::kOffBar;
   const uint32_t bar_full = bar_kv + 8;                 // full[stage] at + 8 * stage
   const uint32_t bar_empty = bar_full + 8 * kStages;    // empty[stage]
@@ -343,6 +355,11 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_ds = bar_do_empty + 8;  // kDSBar: ds[buf] at + 8 buf, sdS buffer buf full
   // kSplitCols: sdQ's slot s is full at bar_slot_full + 8 s, read at bar_slot_empty + 8 s
   const uint32_t bar_slot_full = bar_ds + 16, bar_slot_empty = bar_ds + 40;
+  // kBiasStage with a bias: the step's bias rows landed in sBias (the bias warp's 32 lanes, its
+  // copies' bytes), read (every consumer warp's lane 0)
+  const uint32_t bar_bias_full = bar_ds + 64, bar_bias_empty = bar_ds + 72;
+  constexpr bool kBiasStage = kRules && Cfg::kBiasStage;
+  const uint32_t sBias = base + Cfg::kOffBias;  // (kBlockM, kBiasRowBytes): the step's bias rows
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // blockIdx.x enumerates sections of sec_pairs (b, kv head) pairs, and in each (key tile,
@@ -404,6 +421,20 @@ __global__ void __launch_bounds__(384, 1)
     m_first = min(n0 / kBlockM, m_end);
   }
   const int q_end = kRules ? rules.q_len : t_len;  // rows past it see no key
+  // The rules kernel's bias and dbias of batch element b (select.h: no broadcast dim, keys
+  // contiguous, rows 16-byte aligned): query head n's row t at n * bias_hs + t * bias_rs.
+  // Taken before the roles split, as in the forward (from p in the consumers: spills).
+  const uint16_t* bias_b = nullptr;
+  uint16_t* dbias_b = nullptr;
+  int64_t bias_rs = 0, bias_hs = 0;
+  if (kBiasStage && p.bias) {
+    const BcastStrides& bs = p.bias_strides;
+    const int64_t at = (b / p.batch_inner) * bs.outer + (b % p.batch_inner) * bs.batch;
+    bias_b = static_cast<const uint16_t*>(p.bias) + at;
+    dbias_b = static_cast<uint16_t*>(p.dbias) + at;
+    bias_rs = bs.row;
+    bias_hs = bs.head;
+  }
   const int n_cand = m_end - m_first;  // candidate query tiles per head
   using Seg = typename Cfg::Seg;
   Seg* seg = kRules && p.q_segment_ids ? reinterpret_cast<Seg*>(smem + Cfg::kOffSeg) : nullptr;
@@ -442,6 +473,10 @@ __global__ void __launch_bounds__(384, 1)
     }
     mbar_init(bar_ds, 8);  // every consumer warp's lane 0
     mbar_init(bar_ds + 8, 8);
+    if (kBiasStage && bias_b) {
+      mbar_init(bar_bias_full, 32);
+      mbar_init(bar_bias_empty, 8);
+    }
     mbar_fence_init();
   }
   if (seg) {
@@ -515,6 +550,7 @@ __global__ void __launch_bounds__(384, 1)
         const int64_t row0 = (b * p.n + n) * p.t_pad + m0;
         if (lane == 0) {
           sM0[s] = m0;
+          if constexpr (kRules) sM0[kStages + s] = ci_n;  // (the consumers' dbias rows)
           constexpr uint32_t kRowsBytes = kRules ? 0 : kBlockM * 4;
           mbar_expect_tx(full, (kSplitCols ? 1 : 2) * Cfg::kQBytes + 2 * kRowsBytes);
           const uint32_t stage = s * Cfg::kQBytes;
@@ -703,6 +739,31 @@ __global__ void __launch_bounds__(384, 1)
           const int group_at = 2 * (static_cast<int>(bkh) / p.dq_slots.pairs);
           red_add_release(p.dq_slots.done + group_at + (key_tile >= key_tiles - deferred), 1);
         }
+      }
+    } else if (kBiasStage && warp == 3 && bias_b) {
+      // The bias warp: each step's kBlockM rows of the key tile's bias (its keys below S) into
+      // sBias, a bulk copy a row, once every consumer warp has read the step before's; rows
+      // past T get zeros (P = 0 there, but stale bits could be NaN). A copy is issued about a
+      // step before its read.
+      const uint32_t bytes = 2 * min(kBlockN, s_len - n0);  // S % 8 == 0: 16-byte pieces
+      StepWalk<Seg> walk(walk_start, n_cand, group);
+      for (int it = 0; it < n_steps; ++it) {
+        walk.next(seg, n_cand);
+        const int m0 = step_m0(walk);
+        const uint16_t* rows = bias_b + step_head(walk) * bias_hs + int64_t{m0} * bias_rs + n0;
+        if (it > 0) mbar_wait(bar_bias_empty, (it - 1) & 1);
+        if (lane == 0) mbar_expect_tx(bar_bias_full, bytes * min(t_len - m0, kBlockM));
+        __syncwarp();
+        for (int r = lane; r < kBlockM; r += 32) {
+          const uint32_t dst = sBias + r * Cfg::kBiasRowBytes;
+          if (m0 + r < t_len) {
+            bulk_load(dst, rows + r * bias_rs, bytes, bar_bias_full);
+          } else {
+            for (int c = 0; c < 2 * kBlockN; c += 8) sts_f32x2(dst + c, 0.f, 0.f);
+            fence_proxy_async();  // before a later step's copy into the row
+          }
+        }
+        mbar_arrive(bar_bias_full);
       }
     } else if (warp == 2 && beside && lane == 0 && n_steps > 0) {
       // The first step's lse and delta rows, once the pass beside has done them: stage 0's full
@@ -931,6 +992,30 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int i = 0; i < kNS; ++i) acc_s[i] = out * tanhf(acc_s[i] * in);
       }
+      // S^T += bias^T / scale, in q.k's units, from the step's bias stage (bias warp): block
+      // (i, h) of this warp's S^T (keys 8 h .., queries 8 i ..) is an 8 x 8 block of the stage's
+      // rows read transposed; four blocks an ldmatrix. Released once read.
+      if (kBiasStage && bias_b) {
+        mbar_wait(bar_bias_full, it & 1);
+        const float inv_scale = 1.f / p.scale;
+        const int m = lane / 8;  // the block this lane addresses a row of: i = 2 j + m / 2, h = m % 2
+        const uint32_t at = sBias + (8 * (m / 2) + lane % 8) * Cfg::kBiasRowBytes +
+                            (wg_key0 + 16 * wi + 8 * (m % 2)) * 2;
+#pragma unroll
+        for (int j = 0; j < kNS / 8; ++j) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, at + 16 * j * Cfg::kBiasRowBytes);
+#pragma unroll
+          for (int b4 = 0; b4 < 4; ++b4) {
+            const int e = 4 * (2 * j + b4 / 2) + 2 * (b4 % 2);  // element of (i, h)'s c = 0
+            const float2 v = unpack2<T>(r[b4]);
+            acc_s[e] = fmaf(v.x, inv_scale, acc_s[e]);
+            acc_s[e + 1] = fmaf(v.y, inv_scale, acc_s[e + 1]);
+          }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_bias_empty);
+      }
       // Two copies of the loop, with and without the element test: as one loop with the test
       // selected by `edge`, ptxas computed every element's predicate ahead of the S^T GEMM
       // and kept them in registers (P2R) on every step.
@@ -1026,6 +1111,21 @@ __global__ void __launch_bounds__(384, 1)
           Wgmma<kWgCols>::template rs<T>(
               acc_dv, rP[kk], desc_at(d_do_mn, do_stage + kk * 16 * kRowBytes), 1);
         wgmma_commit();
+      }
+      // dbias = dS (no soft cap beside a bias: select.h), so rdS's blocks, transposed back to
+      // the bias's rows (query 8 i + g, keys 8 h + 2 tig and + 1), while dV runs. Every element
+      // a visited step covers is written; run_bwd_sm90 zeroes dbias where rules skip steps.
+      if (kBiasStage && bias_b) {
+        uint16_t* rows = dbias_b + sM0[kStages + s] * bias_hs + warp_key0 + 2 * tig;
+#pragma unroll
+        for (int i = 0; i < kNS / 4; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int q = m0 + 8 * i + g;
+            const uint32_t x = movmatrix_trans(rdS[i / 2][2 * (i % 2) + h]);
+            if (q < t_len && warp_key0 + 8 * h < s_len)
+              __stcs(reinterpret_cast<unsigned*>(rows + q * bias_rs + 8 * h), x);
+          }
       }
 
       // dS^T into shared buffer it % 2, rows = keys (kDQT: dS, (kBlockN / 64 column blocks of
@@ -1387,7 +1487,7 @@ inline int64_t plan_dq_slots(DqSlots& s, const BwdParams& p, int64_t key_tiles, 
 
 // The sm90 backward on `stream`: preprocess, the main kernel above, convert; false (nothing
 // launched) when the TMA descriptors cannot be built. Preconditions (select.h use_bwd_sm90):
-// a cc 9.x device, no variant but the key-range rules (rules.cuh), H == Hv == kHeadDim, T,
+// a cc 9.x device, no variants but those of sm90_bwd_variants_ok, H == Hv == kHeadDim, T,
 // S > 0. The rules kernel covers causal too, so each file compiles it once.
 template <typename T, int kHeadDim, bool kCausal>
 bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
@@ -1418,6 +1518,11 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // the kernel it waits for (the workspaces' setup goes first).
   const BwdWorkspace w = bwd_workspace(p);
   if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
+  // dbias (select.h: no broadcast dim) is written where the steps go; rules that skip steps
+  // leave the rest to these zeros. Without them every element is written.
+  if (p.bias && (p.is_causal || p.window_left >= 0 || p.window_right >= 0 || p.q_lengths ||
+                 p.kv_lengths || p.q_segment_ids))
+    cudaMemsetAsync(p.dbias, 0, bias_elements(p) * sizeof(T), stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
   int64_t grid = key_tiles * p.kh * p.b;  // < 2^31 for anything that fits in memory
@@ -1470,10 +1575,12 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
                                  : sm90::flash_bwd_sm90_kernel<T, kHeadDim, kCausal, false>;
   if constexpr (kHasRules)
     if (live_variant(p)) kernel = sm90::flash_bwd_sm90_kernel<T, kHeadDim, false, true>;
-  // A failure shows up in the caller's cudaGetLastError().
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           Cfg::kSmemBytes) == cudaSuccess)
-    launch_dependent(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, q, tma_q, tma_k,
+  // A failure shows up in the caller's cudaGetLastError(). Without a bias the bias stage (the
+  // layout's end) is left out.
+  const int smem = Cfg::kSmemBytes - (p.bias ? 0 : Cfg::kBiasBytes);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) ==
+      cudaSuccess)
+    launch_dependent(kernel, grid, Cfg::kThreads, smem, stream, q, tma_q, tma_k,
                           tma_v, tma_do, tma_dq, static_cast<int>(key_tiles), sec_pairs);
   if (!q.dq_slots.done) bwd::launch_convert_dq<T, kHeadDim>(p, stream, /*dependent=*/true);
   return true;

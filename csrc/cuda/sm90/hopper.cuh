@@ -93,6 +93,14 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
       : "memory");
 }
 
+// The 8x8 16-bit matrix held in the mma fragment layout (lane l: row l / 4, columns 2 (l % 4)
+// and + 1, the lower column in the low half), transposed across the warp into that layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // Copies the shared tile at src into the box at coordinates (c0 innermost .. c3) of a rank-4
 // tensor map (rows out of bounds are not written); tracked by this thread's bulk async-groups.
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1,

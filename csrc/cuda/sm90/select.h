@@ -68,10 +68,13 @@ inline bool tma_strides_ok(const FwdParams& p) {
 // Of the variants, the sm90 rules kernels run those that hide whole regions of keys (lengths,
 // window and causal alignment cut each query row's key range, segment ids the key tiles whose
 // ids a query tile does not have) and some that change the logits: the forward the soft cap,
-// ALiBi and a bias, the backward the soft cap (ALiBi's and the bias's would add dalibi's and
-// dbias's reductions). Mask and dropout run on sm80, and so does a bias whose rows of keys
-// are not 16-byte aligned (the forward copies them by bulk copies, which need that): one
-// broadcast over the keys, or with S or a stride not a multiple of 8.
+// ALiBi and a bias, the backward the soft cap or at H = 128 a bias with no broadcast dim (dbias
+// written once an element; the sums of a broadcast one's dbias and of dalibi run on sm80, and
+// so does a bias beside the soft cap, whose derivative the backward takes back from P, and at
+// H = 64, whose bias stage would not fit in shared memory). Mask and
+// dropout run on sm80, and so does a bias whose rows of keys are not 16-byte aligned (the
+// forward copies them by bulk copies, which need that): one broadcast over the keys, or with
+// S or a stride not a multiple of 8.
 inline bool sm90_bias_ok(const FwdParams& p) {
   const BcastStrides& st = p.bias_strides;
   return !p.bias || (st.col == 1 && p.s % 8 == 0 && st.row % 8 == 0 && st.head % 8 == 0 &&
@@ -82,7 +85,8 @@ inline bool sm90_fwd_variants_ok(const FwdParams& p) {
   return !p.mask && !p.dropout_seeds && sm90_bias_ok(p);
 }
 inline bool sm90_bwd_variants_ok(const BwdParams& p) {
-  return sm90_fwd_variants_ok(p) && !p.bias && !p.alibi_slopes;
+  return sm90_fwd_variants_ok(p) && !p.alibi_slopes &&
+         (!p.bias || (p.h == 128 && dbias_direct(p) && !(p.softcap > 0.f)));
 }
 
 inline bool use_fwd_sm90(const FwdParams& p) {
