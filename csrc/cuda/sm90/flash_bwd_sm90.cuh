@@ -1519,10 +1519,12 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // the kernel it waits for (the workspaces' setup goes first).
   const BwdWorkspace w = bwd_workspace(p);
   if (w.dq_turn) cudaMemsetAsync(p.dq_turn, 0, w.dq_turn * sizeof(int), stream);
-  // dbias (select.h: no broadcast dim) is written where the steps go; rules that skip steps
-  // leave the rest to these zeros. Without them every element is written.
-  if (p.bias && (p.is_causal || p.window_left >= 0 || p.window_right >= 0 || p.q_lengths ||
-                 p.kv_lengths || p.q_segment_ids))
+  // Every key tile walks every query tile: no rule hides one.
+  const bool full_walks = !p.is_causal && !p.q_lengths && !p.kv_lengths && p.window_left < 0 &&
+                          p.window_right < 0 && !p.bottom_right;
+  // dbias (select.h: no broadcast dim) is written where the steps go; rules or segment ids that
+  // skip steps leave the rest to these zeros.
+  if (p.bias && !(full_walks && !p.q_segment_ids))
     cudaMemsetAsync(p.dbias, 0, bias_elements(p) * sizeof(T), stream);
   const int64_t key_tiles = (p.s + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (w.kv_seg_range) bwd::launch_key_tile_seg<Cfg::kBlockN>(p, key_tiles, stream);
@@ -1567,8 +1569,6 @@ bool run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // alone) in rotated walks where a pair's CTAs fit twice over on the SMs: +5-20% at 1k-4k
   // (D=64-256); level to 2% slower where a pair takes half the SMs or more (its CTAs start
   // across waves; NOTES.md, twenty-seventh session).
-  const bool full_walks = !p.is_causal && !p.q_lengths && !p.kv_lengths && p.window_left < 0 &&
-                          p.window_right < 0 && !p.bottom_right;
   q.rotate_walk = !kCausal && p.deterministic && full_walks && 2 * key_tiles <= sm_count();
   // H = 256 has no rules kernel (select.h sends its variants to sm80).
   constexpr bool kHasRules = !Cfg::kSplitCols;

@@ -45,11 +45,14 @@ inline int current_cc_major() {
   return major;
 }
 
+// Whether the environment variable `name` is set to anything but "" or "0".
+inline bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+}
+
 inline bool sm90_disabled_by_env() {
-  static const bool disabled = [] {
-    const char* v = std::getenv("JAXFLASH_DISABLE_SM90");
-    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
-  }();
+  static const bool disabled = env_flag("JAXFLASH_DISABLE_SM90");
   return disabled;
 }
 
@@ -58,10 +61,7 @@ inline bool sm90_disabled_by_env() {
 // got no GPU (benchmarks/NOTES.md, fifty-fourth session), so by default a bias's backward stays
 // on the sm80-class kernel until the GPU tests have run it.
 inline bool sm90_bias_bwd_by_env() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("JAXFLASH_SM90_BIAS_BWD");
-    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
-  }();
+  static const bool enabled = env_flag("JAXFLASH_SM90_BIAS_BWD");
   return enabled;
 }
 
@@ -85,10 +85,9 @@ inline bool tma_strides_ok(const FwdParams& p) {
 // bias with no broadcast dim (dbias written once an element; the sums of a broadcast one's
 // dbias and of dalibi run on sm80, and so does a bias beside the soft cap, whose derivative
 // the backward takes back from P, and at H = 64, whose bias stage would not fit in shared
-// memory). Mask and
-// dropout run on sm80, and so does a bias whose rows of keys are not 16-byte aligned (the
-// forward copies them by bulk copies, which need that): one broadcast over the keys, or with
-// S or a stride not a multiple of 8.
+// memory). Mask and dropout run on sm80, and so does a bias whose rows of keys are not 16-byte
+// aligned (the forward copies them by bulk copies, which need that): one broadcast over the
+// keys, or with S or a stride not a multiple of 8.
 inline bool sm90_bias_ok(const FwdParams& p) {
   const BcastStrides& st = p.bias_strides;
   return !p.bias || (st.col == 1 && p.s % 8 == 0 && st.row % 8 == 0 && st.head % 8 == 0 &&
