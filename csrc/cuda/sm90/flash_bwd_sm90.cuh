@@ -357,7 +357,8 @@ __global__ void __launch_bounds__(384, 1)
   // kSplitCols: sdQ's slot s is full at bar_slot_full + 8 s, read at bar_slot_empty + 8 s
   const uint32_t bar_slot_full = bar_ds + 16, bar_slot_empty = bar_ds + 40;
   // kBiasStage with a bias: the step's bias rows landed in sBias (the bias warp's 32 lanes, its
-  // copies' bytes), read (every consumer warp's lane 0)
+  // copies' bytes), read (every consumer thread: racecheck saw a warp's lane 0 after __syncwarp
+  // as no order between the other lanes' reads and the next step's copies)
   const uint32_t bar_bias_full = bar_ds + 64, bar_bias_empty = bar_ds + 72;
   constexpr bool kBiasStage = kRules && Cfg::kBiasStage;
   const uint32_t sBias = base + Cfg::kOffBias;  // (kBlockM, kBiasRowBytes): the step's bias rows
@@ -476,7 +477,7 @@ __global__ void __launch_bounds__(384, 1)
     mbar_init(bar_ds + 8, 8);
     if (kBiasStage && bias_b) {
       mbar_init(bar_bias_full, 32);
-      mbar_init(bar_bias_empty, 8);
+      mbar_init(bar_bias_empty, 256);  // every consumer thread, a reader
     }
     mbar_fence_init();
   }
@@ -1014,8 +1015,7 @@ __global__ void __launch_bounds__(384, 1)
             acc_s[e + 1] = fmaf(v.y, inv_scale, acc_s[e + 1]);
           }
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_bias_empty);
+        mbar_arrive(bar_bias_empty);
       }
       // Two copies of the loop, with and without the element test: as one loop with the test
       // selected by `edge`, ptxas computed every element's predicate ahead of the S^T GEMM
