@@ -46,18 +46,17 @@ for stage in "$@"; do
         JAXFLASH_DISABLE_SM90=1 timeout 300 python3 -m pytest -v -m gpu -rfE -n 12 --timeout 300 \
         -p no:cacheprovider tests/test_attention.py tests/test_transforms.py 2>&1 \
         | tee "$OUT/gpu_suite_sm80.log" | grep -E "FAILED|ERROR|passed|failed" ;;
-    # the opt-in sm90 backward of a full bias (select.h sm90_bias_bwd_by_env): the bias tests,
-    # both sanitizers on the variant calls (the first one's backward takes it), the bias case timed
-    bias-sm90) ( export JAXFLASH_SM90_BIAS_BWD=1
-        XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 300 \
-          python3 -m pytest -v -m gpu -rfE -n 8 --timeout 200 -p no:cacheprovider \
+    # the sm90 backward of a full bias: the bias tests, both sanitizers on the variant calls (the
+    # first one's backward takes it), the bias case timed
+    bias-sm90) ( export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0
+        timeout 300 python3 -m pytest -v -m gpu -rfE -n 8 --timeout 200 -p no:cacheprovider \
           tests/test_variants.py -k bias 2>&1 | tee "$OUT/bias_sm90.log" | grep -E "FAILED|ERROR|passed|failed"
         for tool in memcheck racecheck; do
           timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 \
             benchmarks/profile_kernels.py --variants --D 128 --reps 1 2>&1 | tail -2 \
             | sed "s/^/$tool bias-sm90: /" | tee -a "$OUT/sanitize.log"; done
         timeout 200 python3 benchmarks/masked.py --cases bias --out "$OUT" --commit "$COMMIT" \
-          --results "$OUT/RESULTS.md" --note "JAXFLASH_SM90_BIAS_BWD=1" 2>&1 | grep -v "masked \[" ) ;;
+          --results "$OUT/RESULTS.md" --note "bias-sm90" 2>&1 | grep -v "masked \[" ) ;;
     # the dense mask's tile summary: block-sparse masks on every tile shape, and the other masks
     mask) timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_variants.py \
         -k "block_sparse or mask" 2>&1 | tee "$OUT/mask.log" | tail -25 ;;

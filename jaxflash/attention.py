@@ -174,15 +174,19 @@ def _per_shard(fn, arrays, ops, in_axes, out_axes):
   return sharding.shard_local(local, axes, out_axes)(*arrays, *(ops[n] for n in names))
 
 
-def _keeps_o_f32(ops, cfg: _Config) -> bool:
+def _keeps_o_f32(q, k, ops, cfg: _Config) -> bool:
   """Whether the differentiated forward keeps O in float32 (params.h o_f32) for the kernel
   backward's delta = rowsum(dO * O) - dlse. dbias of a bias broadcast over batch, heads, rows
   or keys and dalibi sum dZ = P (dP - delta) over many elements, where the rounding of the
   stored O (q's dtype) against the backward's own fp32 sum of P dP adds up instead of
-  averaging out (benchmarks/NOTES.md); no other gradient needs it. O(T * Hv) float32 memory,
-  only for calls with a bias or alibi_slopes that reach a kernel."""
+  averaging out (benchmarks/NOTES.md); no other gradient needs it, a full bias's dbias (dZ
+  itself) neither. O(T * Hv) float32 memory, only for calls with a broadcast bias or
+  alibi_slopes that reach a kernel (the CUDA forward that writes it is the sm80-class one)."""
   kernels = {cfg.pinned} if cfg.pinned else {cfg.cpu, cfg.cuda}
-  live = ops["bias"] is not None or ops["alibi_slopes"] is not None
+  B, T, N, _ = q.shape
+  full = (B, N, T, k.shape[1])
+  live = ((ops["bias"] is not None and ops["bias"].shape != full) or
+          ops["alibi_slopes"] is not None)
   return live and kernels != {"xla"}
 
 
@@ -282,7 +286,7 @@ def _out_cotangents(cts, out):
 
 def _flash_fwd(q, k, v, ops, cfg):
   q, k, v, ops = _primal_values((q, k, v, ops))
-  out, lse, *out_f32 = _run_fwd(q, k, v, ops, cfg, keep_f32=_keeps_o_f32(ops, cfg))
+  out, lse, *out_f32 = _run_fwd(q, k, v, ops, cfg, keep_f32=_keeps_o_f32(q, k, ops, cfg))
   return (out, lse), (q, k, v, ops, out, lse, out_f32[0] if out_f32 else None)
 
 

@@ -116,9 +116,8 @@ def _cases(T, S):
       "bias_batch_causal": (dict(is_causal=True), dict(bias=_rand(19, (B, 1, T, S)))),
       "bias_shared_causal": (dict(is_causal=True), dict(bias=_rand(25, (1, 1, T, S)))),
       "bias_keys_causal": (dict(is_causal=True), dict(bias=_rand(26, (B, N, 1, S)))),
-      # a full bias: dbias = dZ element by element (on Hopper, with JAXFLASH_SM90_BIAS_BWD=1 and
-      # S % 8 == 0, the sm90 backward writes every element with no rules, the visited ones over
-      # zeros with them)
+      # a full bias: dbias = dZ element by element (on Hopper with S % 8 == 0 the sm90 backward
+      # writes every element with no rules, the visited ones over zeros with them)
       "bias_full": ({}, dict(bias=_rand(36, (B, N, T, S)))),
       "bias_full_causal_window": (dict(is_causal=True, local_window_size=(S // 4, 0)),
                                   dict(bias=_rand(37, (B, N, T, S)))),
@@ -231,8 +230,8 @@ def test_cuda_variant_forward(case, t, s, dtype, head_dim):
 
 
 # A bias with no broadcast dim, differentiated, its rows 16-byte aligned (S % 8 == 0): on Hopper
-# with JAXFLASH_SM90_BIAS_BWD=1 (benchmarks/gpu_session.sh bias-sm90) the sm90 backward runs it
-# at D=128, dbias = dS written from its registers; else the sm80-class backward. 1000 x 1304:
+# the sm90 forward (no fp32 O kept for it) and, at D=128, the sm90 backward run it, dbias = dS
+# written from its registers; else the sm80-class backward. 1000 x 1304:
 # 11 key tiles; the window and segment ids skip steps.
 @pytest.mark.gpu
 @gpu
@@ -552,6 +551,7 @@ def test_invalid_arguments(impl, kwargs, match):
 @pytest.mark.parametrize("kwargs, attr", [
     (dict(bias=jnp.ones((1, 1, T, S))), "('has_bias', True)"),
     (dict(bias=jnp.ones((1, N, T, 1))), "('has_o_f32', True)"),
+    (dict(bias=jnp.ones((B, N, T, S))), "('has_o_f32', False)"),
     (dict(alibi_slopes=jnp.ones((N,))), "('has_o_f32', True)"),
     (dict(local_window_size=3), "('window_left', np.int64(3))"),
     (dict(causal_alignment="bottom_right"), "('bottom_right', True)"),
@@ -693,14 +693,15 @@ def test_o_f32_residual(impl, dtype):
     np.testing.assert_allclose(dbias_f32, want, rtol=float(jnp.finfo(dtype).eps), atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(bias=_rand(106, (1, N, T, 1))),
-                                    dict(alibi_slopes=jnp.abs(_rand(107, (N,)))),
-                                    dict(mask=jnp.ones((T, S), bool))], ids=["bias", "alibi", "mask"])
-def test_o_f32_kept_only_for_bias_or_alibi(kwargs):
+@pytest.mark.parametrize("kwargs, keep", [(dict(bias=_rand(106, (1, N, T, 1))), True),
+                                          (dict(alibi_slopes=jnp.abs(_rand(107, (N,)))), True),
+                                          (dict(bias=_rand(108, (B, N, T, S))), False),
+                                          (dict(mask=jnp.ones((T, S), bool)), False)],
+                         ids=["bias_rows", "alibi", "bias_full", "mask"])
+def test_o_f32_kept_only_for_bias_or_alibi(kwargs, keep):
   """The differentiated CPU forward returns out_f32 and the backward takes it (has_o_f32) with
-  a bias or alibi_slopes, and only then."""
+  a broadcast bias or alibi_slopes, and only then (a full bias's dbias is dZ itself)."""
   q, k, v = _qkv()
-  keep = "mask" not in kwargs
   loss = lambda q: jnp.sum(jaxflash.attention(q, k, v, implementation="cpu", **kwargs))
   jaxpr = str(jax.make_jaxpr(jax.grad(loss))(q))
   for target in ("jaxflash_fwd_cpu", "jaxflash_bwd_cpu"):

@@ -6,8 +6,7 @@
 // attention with T, S > 0 whose variants are those of sm90_bwd_variants_ok, at H = 256
 // for plain (optionally causal) attention with T, S > 0, the same cases with
 // deterministic_backward.
-// JAXFLASH_DISABLE_SM90=1 forces the sm80 kernels (A/B benchmarking). JAXFLASH_SM90_BIAS_BWD=1
-// opts in to the sm90 backward of a bias (sm90_bwd_variants_ok), not yet run on a GPU.
+// JAXFLASH_DISABLE_SM90=1 forces the sm80 kernels (A/B benchmarking).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -56,15 +55,6 @@ inline bool sm90_disabled_by_env() {
   return disabled;
 }
 
-// The sm90 rules backward's bias (flash_bwd_sm90.cuh, the bias warp's stage and dbias from the
-// consumers' registers) only where JAXFLASH_SM90_BIAS_BWD=1: it was written in a session that
-// got no GPU (benchmarks/NOTES.md, fifty-fourth session), so by default a bias's backward stays
-// on the sm80-class kernel until the GPU tests have run it.
-inline bool sm90_bias_bwd_by_env() {
-  static const bool enabled = env_flag("JAXFLASH_SM90_BIAS_BWD");
-  return enabled;
-}
-
 // TMA wants 16-byte multiples below 2^40 for every byte stride (elements are 2 bytes).
 inline bool tma_strides_ok(std::initializer_list<int64_t> strides) {
   for (int64_t st : strides)
@@ -81,9 +71,8 @@ inline bool tma_strides_ok(const FwdParams& p) {
 // Of the variants, the sm90 rules kernels run those that hide whole regions of keys (lengths,
 // window and causal alignment cut each query row's key range, segment ids the key tiles whose
 // ids a query tile does not have) and some that change the logits: the forward the soft cap,
-// ALiBi and a bias, the backward the soft cap and, with JAXFLASH_SM90_BIAS_BWD=1, at H = 128 a
-// bias with no broadcast dim (dbias written once an element; the sums of a broadcast one's
-// dbias and of dalibi run on sm80, and so does a bias beside the soft cap, whose derivative
+// ALiBi and a bias, the backward the soft cap and, at H = 128, a bias with no broadcast dim
+// (dbias written once an element; the sums of a broadcast one's dbias and of dalibi run on sm80, and so does a bias beside the soft cap, whose derivative
 // the backward takes back from P, and at H = 64, whose bias stage would not fit in shared
 // memory). Mask and dropout run on sm80, and so does a bias whose rows of keys are not 16-byte
 // aligned (the forward copies them by bulk copies, which need that): one broadcast over the
@@ -99,8 +88,7 @@ inline bool sm90_fwd_variants_ok(const FwdParams& p) {
 }
 inline bool sm90_bwd_variants_ok(const BwdParams& p) {
   return sm90_fwd_variants_ok(p) && !p.alibi_slopes &&
-         (!p.bias || (sm90_bias_bwd_by_env() && p.h == 128 && dbias_direct(p) &&
-                      !(p.softcap > 0.f)));
+         (!p.bias || (p.h == 128 && dbias_direct(p) && !(p.softcap > 0.f)));
 }
 
 inline bool use_fwd_sm90(const FwdParams& p) {
