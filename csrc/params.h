@@ -9,12 +9,20 @@ namespace jaxflash {
 
 enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
+#ifdef __CUDACC__
+#define JAXFLASH_HOST_DEVICE __host__ __device__
+#else
+#define JAXFLASH_HOST_DEVICE
+#endif
+
 // Element strides of a broadcast (..., B|1, N|1, T|1, S|1) operand (mask, bias); 0 on a
 // broadcast dim, so the kernel reads the user's array in place and never expands it.
-// `outer` steps over leading vmap dims: flattened batch index b reads
-// (b / batch_inner) * outer + (b % batch_inner) * batch.
+// `outer` steps over leading vmap dims, so flattened batch index b starts at batch_at(b).
 struct BcastStrides {
   int64_t outer = 0, batch = 0, head = 0, row = 0, col = 0;
+  JAXFLASH_HOST_DEVICE int64_t batch_at(int64_t b, int64_t batch_inner) const {
+    return (b / batch_inner) * outer + (b % batch_inner) * batch;
+  }
 };
 
 struct FwdParams {

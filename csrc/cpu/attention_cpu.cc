@@ -183,14 +183,13 @@ struct Head {
     q_len = std::clamp<int64_t>(q_raw, 0, p.t);
     kv_len = std::clamp<int64_t>(kv_raw, 0, p.s);
     shift = p.bottom_right ? kv_raw - q_raw : 0;
-    const int64_t outer = b / p.batch_inner, bi = b % p.batch_inner;
     if (p.mask) {
       const BcastStrides& st = p.mask_strides;
-      mask = p.mask + outer * st.outer + bi * st.batch + n * st.head;
+      mask = p.mask + st.batch_at(b, p.batch_inner) + n * st.head;
     }
     if (p.bias) {
       const BcastStrides& st = p.bias_strides;
-      bias = static_cast<const T*>(p.bias) + outer * st.outer + bi * st.batch + n * st.head;
+      bias = static_cast<const T*>(p.bias) + st.batch_at(b, p.batch_inner) + n * st.head;
     }
     if (p.alibi_slopes) slope = p.alibi_slopes[b * p.n + n];
     if (p.q_segment_ids) {

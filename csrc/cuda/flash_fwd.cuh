@@ -250,15 +250,14 @@ struct FwdVariants {
 
     bias = nullptr;
     mask = mask_slab = nullptr;
-    const int64_t outer = b / p.batch_inner, bi = b % p.batch_inner;
     if (p.bias) {
       const BcastStrides& st = p.bias_strides;
-      bias = static_cast<const T*>(p.bias) + outer * st.outer + bi * st.batch + n * st.head +
+      bias = static_cast<const T*>(p.bias) + st.batch_at(b, p.batch_inner) + n * st.head +
              m0 * st.row;
     }
     if (p.mask) {
       const BcastStrides& st = p.mask_strides;
-      mask = p.mask + outer * st.outer + bi * st.batch + n * st.head + m0 * st.row;
+      mask = p.mask + st.batch_at(b, p.batch_inner) + n * st.head + m0 * st.row;
       if (p.mask_tiles) mask_slab = p.mask_tiles + MaskTiles(p).slab(p, b, n);
     }
     q_seg = kv_seg = nullptr;

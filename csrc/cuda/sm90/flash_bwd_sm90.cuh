@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(384, 1)
   int64_t bias_rs = 0, bias_hs = 0;
   if (kBiasStage && p.bias) {
     const BcastStrides& bs = p.bias_strides;
-    const int64_t at = (b / p.batch_inner) * bs.outer + (b % p.batch_inner) * bs.batch;
+    const int64_t at = bs.batch_at(b, p.batch_inner);
     bias_b = static_cast<const uint16_t*>(p.bias) + at;
     dbias_b = static_cast<uint16_t*>(p.dbias) + at;
     bias_rs = bs.row;

@@ -355,8 +355,7 @@ __global__ void __launch_bounds__(128 * (1 + kWGs), 1)
   int64_t bias_rs = 0;
   if (kRules && p.bias) {
     const BcastStrides& st = p.bias_strides;
-    bias_bn = static_cast<const uint16_t*>(p.bias) + (b / p.batch_inner) * st.outer +
-              (b % p.batch_inner) * st.batch + n * st.head;
+    bias_bn = static_cast<const uint16_t*>(p.bias) + st.batch_at(b, p.batch_inner) + n * st.head;
     bias_rs = st.row;
   }
 
