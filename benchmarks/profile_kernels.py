@@ -44,9 +44,9 @@ p.add_argument("--variants", action="store_true",
                     "the variant kernels, five calls: a (B, N, T, S) bias with bottom-right "
                     "causal and ragged lengths, a bias over the keys, soft cap with ALiBi and a "
                     "window (these three forwards on the sm90 rules kernel on Hopper, at D = 128 "
-                    "the first one's backward too), a "
-                    "mask with dropout (the sm80-class kernels), soft cap with a window (the sm90 "
-                    "rules kernels, forward and backward) (sanitizers)")
+                    "the first one's backward too), a mask with dropout (the sm80-class "
+                    "kernels), soft cap with a window (the sm90 rules kernels, forward and "
+                    "backward) (sanitizers)")
 p.add_argument("--kv", type=int, default=300,
                help="keys of the --many-tiles problem")
 p.add_argument("--jump", action="store_true",

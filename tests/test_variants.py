@@ -231,8 +231,8 @@ def test_cuda_variant_forward(case, t, s, dtype, head_dim):
 
 # A bias with no broadcast dim, differentiated, its rows 16-byte aligned (S % 8 == 0): on Hopper
 # the sm90 forward (no fp32 O kept for it) and, at D=128, the sm90 backward run it, dbias = dS
-# written from its registers; else the sm80-class backward. 1000 x 1304:
-# 11 key tiles; the window and segment ids skip steps.
+# written from its registers; else the sm80-class backward. 1000 x 1304: 11 key tiles; the
+# window and segment ids skip steps.
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -32,10 +32,9 @@
 // alignment; rules.cuh) and segment ids (BwdSegShared): a CTA visits only the query tiles that
 // may see its keys, and warps test elements only where their 16 keys are not seen whole by
 // the step's queries. It runs the soft cap too, an elementwise pass on every step, or at
-// H = 128 a bias with no broadcast dim: warp 3 (the
-// bias warp) copies each step's bias rows into a stage that the consumers read transposed into
-// S^T's fragment (ldmatrix), and dbias = dS leaves from their registers, transposed back
-// (movmatrix).
+// H = 128 a bias with no broadcast dim: warp 3 (the bias warp) copies each step's bias rows
+// into a stage that the consumers read transposed into S^T's fragment (ldmatrix), and
+// dbias = dS leaves from their registers, transposed back (movmatrix).
 // deterministic_backward (every kernel): the CTAs that visit a query tile add their dQ to it
 // one after the other, in a fixed order (the dQ writer).
 // Shared tiles use TMA's 128-byte swizzle as in flash_fwd_sm90.cuh: a (rows, cols) tile is

@@ -44,14 +44,11 @@ inline int current_cc_major() {
   return major;
 }
 
-// Whether the environment variable `name` is set to anything but "" or "0".
-inline bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
-}
-
 inline bool sm90_disabled_by_env() {
-  static const bool disabled = env_flag("JAXFLASH_DISABLE_SM90");
+  static const bool disabled = [] {
+    const char* v = std::getenv("JAXFLASH_DISABLE_SM90");
+    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+  }();
   return disabled;
 }
 
@@ -71,12 +68,13 @@ inline bool tma_strides_ok(const FwdParams& p) {
 // Of the variants, the sm90 rules kernels run those that hide whole regions of keys (lengths,
 // window and causal alignment cut each query row's key range, segment ids the key tiles whose
 // ids a query tile does not have) and some that change the logits: the forward the soft cap,
-// ALiBi and a bias, the backward the soft cap and, at H = 128, a bias with no broadcast dim
-// (dbias written once an element; the sums of a broadcast one's dbias and of dalibi run on sm80, and so does a bias beside the soft cap, whose derivative
-// the backward takes back from P, and at H = 64, whose bias stage would not fit in shared
-// memory). Mask and dropout run on sm80, and so does a bias whose rows of keys are not 16-byte
-// aligned (the forward copies them by bulk copies, which need that): one broadcast over the
-// keys, or with S or a stride not a multiple of 8.
+// ALiBi and a bias, the backward the soft cap or at H = 128 a bias with no broadcast dim (dbias
+// written once an element; the sums of a broadcast one's dbias and of dalibi run on sm80, and
+// so does a bias beside the soft cap, whose derivative the backward takes back from P, and at
+// H = 64, whose bias stage would not fit in shared memory). Mask and dropout run on sm80, and
+// so does a bias whose rows of keys are not 16-byte aligned (the forward copies them by bulk
+// copies, which need that): one broadcast over the keys, or with S or a stride not a multiple
+// of 8.
 inline bool sm90_bias_ok(const FwdParams& p) {
   const BcastStrides& st = p.bias_strides;
   return !p.bias || (st.col == 1 && p.s % 8 == 0 && st.row % 8 == 0 && st.head % 8 == 0 &&
